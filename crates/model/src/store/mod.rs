@@ -1,0 +1,243 @@
+//! The packed store: format ([`manifest`]), writer ([`pack`]) and reader ([`Store`]).
+
+pub mod manifest;
+pub mod pack;
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use memmap2::Mmap;
+use xxhash_rust::xxh3::{Xxh3, xxh3_64};
+
+pub use manifest::*;
+
+/// An open store. `dense.bin` is mapped (the CPU backend reads weights straight from the map);
+/// experts and n-gram rows are read with positioned reads, never mapped or loaded whole.
+pub struct Store {
+    pub dir: PathBuf,
+    pub manifest: Manifest,
+    dense: Mmap,
+    experts: File,
+    sums: Vec<u64>,
+    ngram: Option<File>,
+    index: HashMap<String, usize>,
+}
+
+/// A dense tensor's bytes inside the map.
+pub struct TensorView<'a> {
+    pub meta: &'a DenseTensor,
+    pub data: &'a [u8],
+    pub scales: Option<&'a [u8]>,
+    pub biases: Option<&'a [u8]>,
+}
+
+impl TensorView<'_> {
+    /// Affine words (`dense.bin` parts are 4 KiB aligned, so the cast cannot fail).
+    pub fn words(&self) -> &[u32] {
+        bytemuck::cast_slice(self.data)
+    }
+    pub fn scales_u16(&self) -> &[u16] {
+        bytemuck::cast_slice(self.scales.unwrap_or(&[]))
+    }
+    pub fn biases_u16(&self) -> &[u16] {
+        bytemuck::cast_slice(self.biases.unwrap_or(&[]))
+    }
+    /// Decodes a float tensor to f32.
+    pub fn to_f32(&self) -> Result<Vec<f32>> {
+        match self.meta.precision {
+            Precision::Float { dtype } => crate::dtype::to_f32_vec(dtype, self.data),
+            Precision::Affine { .. } => bail!("{} is quantized; decode it row by row", self.meta.name),
+        }
+    }
+}
+
+fn read_manifest(dir: &Path) -> Result<Manifest> {
+    let p = dir.join("manifest.json");
+    let text = std::fs::read_to_string(&p)
+        .with_context(|| format!("{} is not a store (no readable manifest.json)", dir.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", p.display()))?;
+    if v.get("format").and_then(|f| f.as_str()) != Some(FORMAT) {
+        bail!("{}: not a Cherenkov store manifest", p.display());
+    }
+    let ver = v.get("format_version").and_then(|f| f.as_u64()).unwrap_or(0);
+    if ver != FORMAT_VERSION as u64 {
+        bail!(
+            "{}: store format version {ver}, this build reads version {FORMAT_VERSION}; prepare the model again",
+            p.display()
+        );
+    }
+    serde_json::from_value(v).with_context(|| format!("{}: malformed manifest", p.display()))
+}
+
+impl Store {
+    /// Opens a store, checking that every file is present with the size the manifest records.
+    pub fn open(dir: &Path) -> Result<Store> {
+        let manifest = read_manifest(dir)?;
+        for (name, sum) in &manifest.files {
+            let p = dir.join(name);
+            let len = std::fs::metadata(&p)
+                .with_context(|| format!("store {} is incomplete: {name} is missing", dir.display()))?
+                .len();
+            if len != sum.bytes {
+                bail!(
+                    "store {}: {name} has {len} bytes, the manifest records {} (truncated or replaced; prepare again)",
+                    dir.display(),
+                    sum.bytes
+                );
+            }
+        }
+        let dense_f =
+            File::open(dir.join("dense.bin")).with_context(|| format!("cannot open {}/dense.bin", dir.display()))?;
+        // SAFETY: the store's files are written once and never modified in place.
+        let dense =
+            unsafe { Mmap::map(&dense_f) }.with_context(|| format!("cannot map {}/dense.bin", dir.display()))?;
+        let experts = File::open(dir.join(&manifest.experts.file))
+            .with_context(|| format!("cannot open {}/{}", dir.display(), manifest.experts.file))?;
+        let sums_bytes = std::fs::read(dir.join(&manifest.experts.sums_file))
+            .with_context(|| format!("cannot read {}/{}", dir.display(), manifest.experts.sums_file))?;
+        let sums: Vec<u64> = sums_bytes.chunks_exact(8).map(|b| u64::from_le_bytes(b.try_into().unwrap())).collect();
+        if sums.len() as u64 != manifest.experts.records() {
+            bail!(
+                "store {}: {} holds {} sums for {} records",
+                dir.display(),
+                manifest.experts.sums_file,
+                sums.len(),
+                manifest.experts.records()
+            );
+        }
+        let ngram = match &manifest.ngram {
+            Some(n) => Some(
+                File::open(dir.join(&n.file)).with_context(|| format!("cannot open {}/{}", dir.display(), n.file))?,
+            ),
+            None => None,
+        };
+        let index = manifest.tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
+        for t in &manifest.tensors {
+            for s in [Some(t.data), t.scales, t.biases].into_iter().flatten() {
+                if s.offset + s.len > dense.len() as u64 || s.offset % DENSE_ALIGN != 0 {
+                    bail!("store {}: tensor {} lies outside dense.bin or off its alignment", dir.display(), t.name);
+                }
+            }
+        }
+        Ok(Store { dir: dir.to_path_buf(), manifest, dense, experts, sums, ngram, index })
+    }
+
+    pub fn config(&self) -> &crate::config::TextConfig {
+        &self.manifest.config
+    }
+
+    pub fn has_tensor(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    pub fn tensor(&self, name: &str) -> Result<TensorView<'_>> {
+        let i = *self.index.get(name).with_context(|| format!("store {} has no tensor {name}", self.dir.display()))?;
+        let meta = &self.manifest.tensors[i];
+        let slice = |s: Span| &self.dense[s.range()];
+        Ok(TensorView { meta, data: slice(meta.data), scales: meta.scales.map(slice), biases: meta.biases.map(slice) })
+    }
+
+    /// The whole mapped `dense.bin` (for backends that upload it).
+    pub fn dense_bytes(&self) -> &[u8] {
+        &self.dense
+    }
+
+    pub fn record_bytes(&self) -> usize {
+        self.manifest.experts.record_bytes as usize
+    }
+
+    /// Reads the record of (MoE slot, expert) into `buf` (`record_bytes` long) and checks its sum.
+    pub fn read_expert(&self, slot: usize, expert: usize, buf: &mut [u8]) -> Result<()> {
+        let ef = &self.manifest.experts;
+        if slot >= ef.layers.len() || expert >= ef.num_experts {
+            bail!(
+                "expert ({slot}, {expert}) is outside the store ({} layers x {} experts)",
+                ef.layers.len(),
+                ef.num_experts
+            );
+        }
+        let idx = ef.record_index(slot, expert);
+        self.experts
+            .read_exact_at(buf, idx * ef.record_bytes)
+            .with_context(|| format!("read of expert record {idx} from {}/{} failed", self.dir.display(), ef.file))?;
+        let got = xxh3_64(buf);
+        if got != self.sums[idx as usize] {
+            bail!(
+                "corrupted expert record: layer {} expert {expert} (record {idx} of {}/{}) has checksum {got:016x}, \
+                 expected {:016x}; the store is damaged, prepare it again",
+                ef.layers[slot].layer,
+                self.dir.display(),
+                ef.file,
+                self.sums[idx as usize]
+            );
+        }
+        Ok(())
+    }
+
+    pub fn ngram_table(&self, layer: usize) -> Option<&NgramTable> {
+        self.manifest.ngram.as_ref()?.tables.iter().find(|t| t.layer == layer)
+    }
+
+    /// Reads one n-gram row (`row_bytes` long) of `table` into `buf`.
+    pub fn read_ngram_row(&self, table: &NgramTable, row: u64, buf: &mut [u8]) -> Result<()> {
+        if row >= table.rows {
+            bail!("n-gram row {row} is outside layer {}'s table of {} rows", table.layer, table.rows);
+        }
+        let f = self.ngram.as_ref().context("store has no ngram.bin")?;
+        f.read_exact_at(buf, table.offset + row * table.row_bytes)
+            .with_context(|| format!("read of n-gram row {row} failed"))
+    }
+
+    /// Re-hashes every file (and every expert record). Returns the problems found.
+    pub fn verify(&self, progress: &indicatif::ProgressBar) -> Result<Vec<String>> {
+        let total: u64 = self.manifest.files.values().map(|f| f.bytes).sum();
+        progress.set_length(total);
+        let mut problems = Vec::new();
+        let ef = &self.manifest.experts;
+        for (name, sum) in &self.manifest.files {
+            if *name == ef.file {
+                let mut buf = vec![0u8; ef.record_bytes as usize];
+                for slot in 0..ef.layers.len() {
+                    for e in 0..ef.num_experts {
+                        if let Err(err) = self.read_expert(slot, e, &mut buf) {
+                            problems.push(format!("{err:#}"));
+                        }
+                        progress.inc(ef.record_bytes);
+                    }
+                }
+                continue;
+            }
+            let p = self.dir.join(name);
+            let f = File::open(&p).with_context(|| format!("cannot open {}", p.display()))?;
+            let mut h = Xxh3::new();
+            let mut buf = vec![0u8; 8 << 20];
+            let mut off = 0u64;
+            loop {
+                let n = f.read_at(&mut buf, off).with_context(|| format!("read of {} failed", p.display()))?;
+                if n == 0 {
+                    break;
+                }
+                h.update(&buf[..n]);
+                off += n as u64;
+                progress.inc(n as u64);
+            }
+            let got = format!("{:016x}", h.digest());
+            if got != sum.xxh3 || off != sum.bytes {
+                problems.push(format!(
+                    "{name}: checksum {got} over {off} bytes, the manifest records {} over {}",
+                    sum.xxh3, sum.bytes
+                ));
+            }
+        }
+        Ok(problems)
+    }
+}
+
+/// Reads a store's manifest without opening its files (for listings).
+pub fn load_manifest(dir: &Path) -> Result<Manifest> {
+    read_manifest(dir)
+}
