@@ -1,0 +1,13 @@
+//! The backend-independent runtime of Cherenkov.
+//!
+//! - [`residency`]: the bounded expert pool (slots, LRU eviction that spares the current step's
+//!   experts, IO threads issuing positioned reads of whole records) shared by every backend.
+//! - [`stats`]: per-layer cache and IO counters.
+//! - [`tokenizer`], [`chat`]: `tokenizer.json` and the checkpoint's Jinja chat template.
+//! - [`sampling`]: temperature / top-p / top-k sampling with a seeded generator.
+
+pub mod chat;
+pub mod residency;
+pub mod sampling;
+pub mod stats;
+pub mod tokenizer;
