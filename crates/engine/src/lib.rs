@@ -5,8 +5,11 @@
 //! - [`stats`]: per-layer cache and IO counters.
 //! - [`tokenizer`], [`chat`]: `tokenizer.json` and the checkpoint's Jinja chat template.
 //! - [`sampling`]: temperature / top-p / top-k sampling with a seeded generator.
+//! - [`backend`]: what a compute backend provides; [`generate`]: the decode loop on top of it.
 
+pub mod backend;
 pub mod chat;
+pub mod generate;
 pub mod residency;
 pub mod sampling;
 pub mod stats;

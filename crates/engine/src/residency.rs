@@ -1,1 +1,832 @@
-//! (being written)
+//! The expert pool: a bounded set of slots holding routed-expert records read from the store.
+//!
+//! Every backend uses the same pool; only where a slot's bytes live differs ([`SlotMemory`]:
+//! [`HostSlots`] for the CPU, device memory for CUDA later). A decode step asks for the experts one
+//! MoE layer routed to ([`ExpertPool::acquire`]) and gets a [`Lease`]: the resident ones are usable
+//! at once, the others are read by the pool's IO threads while the step computes the resident ones,
+//! and [`Lease::wait`] blocks until a given entry has arrived.
+//!
+//! # Slot state machine
+//!
+//! ```text
+//!            miss: take a free slot, or evict the LRU ready+unpinned one
+//!   Free ───────────────────────────────────────────────────────────────> Loading
+//!    ^                                                                        │
+//!    │ read or checksum failed (the record is forgotten; the next acquire     │ read ok
+//!    │ of it reads again)                                                     v
+//!    └──────────────────────────────── Loading                              Ready
+//!                                                                             │
+//!   Free <──────── evicted (only when Ready and pins == 0) ───────────────────┘
+//! ```
+//!
+//! Orthogonal to the state, `pins` counts the live leases naming the slot. A slot is evictable only
+//! when it is `Ready` with no pins; evictable slots sit in an LRU index keyed by the tick of their
+//! last acquire, so choosing a victim is O(log slots). A `Loading` slot is never evicted, whether or
+//! not a lease still pins it: an IO thread is writing it.
+//!
+//! # Invariants that must not change
+//!
+//! - A slot is written only by the IO thread loading it, only in `Loading`, and a slot enters
+//!   `Loading` only from `Free` or by eviction of an unpinned `Ready` slot. So a slot a live lease
+//!   pins is never written after its load completed; this is what makes [`HostSlots::slot`] and
+//!   [`Lease::bytes`] sound, and what a device backend relies on when its kernels read slots.
+//! - Every request first pins its hits, then assigns slots to its misses, all under one lock: a miss
+//!   can never evict another expert of the same step.
+//! - Misses are queued in request order. Callers order experts by importance (e.g. routing weight),
+//!   so the reads that unblock the most work start first; a later step's reads (e.g. lookahead) go
+//!   behind them. The IO threads take jobs FIFO.
+//! - One record is read at most once at a time: a request for a record already `Loading` joins
+//!   that read.
+//! - A request the pool cannot serve (more experts than slots, or not enough slots because other
+//!   live leases pin them) fails at once with an error: acquire never waits for a lease to be
+//!   dropped, so two steps holding slots the other needs cannot deadlock. The only thing acquire
+//!   waits for is reads whose leases are already gone (a step dropped its lease before waiting):
+//!   those slots are `Loading` and unpinned, they cannot be evicted mid-read, and they become
+//!   evictable when the read ends, which depends on nothing but the IO threads.
+//!
+//! Callers deduplicate: a request naming one expert twice is refused (entries stay index-aligned
+//! with the request).
+
+use std::alloc::{self, Layout};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use anyhow::{Context, Result, anyhow, bail};
+use cherenkov_model::store::Store;
+
+use crate::stats::{PoolCounters, PoolStats, SlotGauges};
+
+/// Alignment of host slot memory (a page; records are 4 KiB multiples, so every slot is aligned).
+pub const SLOT_ALIGN: usize = 4096;
+
+/// Where loaded expert records live (host memory for the CPU, device memory for CUDA).
+pub trait SlotMemory: Send + Sync + 'static {
+    fn slot_count(&self) -> usize;
+    fn record_bytes(&self) -> usize;
+    /// Loads one record into `slot`. `read` fills a host buffer of record_bytes with the record
+    /// (positioned read + checksum check). Called from IO threads; never concurrently for the same
+    /// slot, and never while the slot is leased by a step.
+    fn load(&self, slot: usize, read: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()>;
+}
+
+/// Host slots: one page-aligned allocation of `slot_count x record_bytes`, records read straight
+/// into their slot (no staging buffer, no copy).
+pub struct HostSlots {
+    base: NonNull<u8>,
+    layout: Layout,
+    slot_count: usize,
+    record_bytes: usize,
+}
+
+// SAFETY: `HostSlots` owns its allocation (a unique raw pointer, freed once in Drop), so moving it
+// to another thread is fine. Shared access (`Sync`) hands out `&[u8]` views through `slot` and
+// writes through `load`; both act on disjoint per-slot ranges and the pool serializes them per
+// slot: `load` runs for a slot only in the pool's `Loading` state, one IO thread at a time, and
+// views are only handed out (by `Lease::bytes`, or by an `unsafe` caller of `slot` upholding the
+// same rule) for slots that are loaded and pinned, which the pool never loads. So no byte is ever
+// written while a reference to it is alive.
+unsafe impl Send for HostSlots {}
+unsafe impl Sync for HostSlots {}
+
+impl HostSlots {
+    /// Allocates `slot_count` zeroed slots of `record_bytes` (zeroed pages are mapped lazily by the
+    /// OS, so this costs nothing until slots are filled).
+    pub fn new(slot_count: usize, record_bytes: usize) -> Result<HostSlots> {
+        if slot_count == 0 {
+            bail!("an expert cache needs at least one slot; use a larger --expert-cache");
+        }
+        if record_bytes == 0 {
+            bail!("expert records of 0 bytes: the store has no routed experts to cache");
+        }
+        let total = slot_count
+            .checked_mul(record_bytes)
+            .filter(|&t| t <= isize::MAX as usize - SLOT_ALIGN)
+            .with_context(|| {
+                format!(
+                    "an expert cache of {slot_count} slots x {} does not fit in memory",
+                    format_bytes(record_bytes as u64)
+                )
+            })?;
+        let layout = Layout::from_size_align(total, SLOT_ALIGN).expect("size checked against isize::MAX above");
+        // SAFETY: `layout` has a non-zero size (both factors are non-zero).
+        let ptr = unsafe { alloc::alloc_zeroed(layout) };
+        let base = NonNull::new(ptr).with_context(|| {
+            format!(
+                "cannot allocate the expert cache: {} of host memory ({slot_count} slots x {}); use a smaller --expert-cache",
+                format_bytes(total as u64),
+                format_bytes(record_bytes as u64)
+            )
+        })?;
+        Ok(HostSlots { base, layout, slot_count, record_bytes })
+    }
+
+    /// Bytes of the whole allocation.
+    pub fn bytes(&self) -> usize {
+        self.layout.size()
+    }
+
+    /// The bytes of `slot`.
+    ///
+    /// Safe code gets these through [`Lease::bytes`], which ties the view to a lease pinning the
+    /// slot.
+    ///
+    /// # Safety
+    ///
+    /// The slot must not be written while the returned slice is alive, i.e. no `load` of this slot
+    /// may run meanwhile. Inside an [`ExpertPool`] that holds when a live lease pins the slot and
+    /// the entry's load has completed ([`Lease::wait`] returned `Ok`): the pool never loads a
+    /// pinned or loaded-and-leased slot (see the module docs).
+    pub unsafe fn slot(&self, slot: usize) -> &[u8] {
+        assert!(slot < self.slot_count, "slot {slot} of a pool of {} slots", self.slot_count);
+        // SAFETY: in bounds of the allocation (checked above), initialized (allocated zeroed), and
+        // not written meanwhile (the caller's contract).
+        unsafe { std::slice::from_raw_parts(self.base.as_ptr().add(slot * self.record_bytes), self.record_bytes) }
+    }
+}
+
+impl SlotMemory for HostSlots {
+    fn slot_count(&self) -> usize {
+        self.slot_count
+    }
+
+    fn record_bytes(&self) -> usize {
+        self.record_bytes
+    }
+
+    fn load(&self, slot: usize, read: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
+        if slot >= self.slot_count {
+            bail!("slot {slot} is outside the expert cache of {} slots", self.slot_count);
+        }
+        // SAFETY: in bounds (checked above). The trait's contract (enforced by the pool) is that no
+        // other load of this slot runs concurrently and no lease can see the slot, so this is the
+        // only reference to these bytes while it lives; other slots' ranges are disjoint.
+        let buf = unsafe {
+            std::slice::from_raw_parts_mut(self.base.as_ptr().add(slot * self.record_bytes), self.record_bytes)
+        };
+        read(buf)
+    }
+}
+
+impl Drop for HostSlots {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this very layout, freed exactly once.
+        unsafe { alloc::dealloc(self.base.as_ptr(), self.layout) }
+    }
+}
+
+/// How many records of `record_bytes` fit in a budget of `bytes` (0 when `record_bytes` is 0).
+pub fn slots_for_budget(bytes: u64, record_bytes: usize) -> usize {
+    if record_bytes == 0 {
+        return 0;
+    }
+    usize::try_from(bytes / record_bytes as u64).unwrap_or(usize::MAX)
+}
+
+/// Parses a size such as `4096`, `512M`, `2G`, `1.5GiB` or `64kb`.
+///
+/// The suffixes K, M, G and T (case-insensitive, optionally followed by `B` or `iB`) are powers of
+/// 1024: `1K` = `1KB` = `1KiB` = 1024 bytes. A bare number or a `B` suffix is bytes and must be
+/// whole; fractions of larger units are rounded down to whole bytes.
+pub fn parse_size(text: &str) -> Result<u64> {
+    let help = "expected bytes or a number with K, M, G or T (powers of 1024), e.g. 4096, 512M, 1.5G";
+    let s = text.trim();
+    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let (num, unit) = (&s[..split], s[split..].trim());
+    if num.is_empty() {
+        bail!("cannot read the size {text:?}: {help}");
+    }
+    let shift = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        _ => bail!("cannot read the size {text:?}: unknown unit {unit:?}; {help}"),
+    };
+    let (int, frac) = num.split_once('.').unwrap_or((num, ""));
+    if int.is_empty() && frac.is_empty() || frac.contains('.') {
+        bail!("cannot read the size {text:?}: {help}");
+    }
+    if frac.len() > 20 {
+        bail!("cannot read the size {text:?}: too many decimals");
+    }
+    if shift == 0 && frac.bytes().any(|d| d != b'0') {
+        bail!("cannot read the size {text:?}: a size in bytes must be a whole number");
+    }
+    let too_big = || anyhow!("the size {text:?} is too large");
+    let whole: u128 = if int.is_empty() { 0 } else { int.parse::<u128>().map_err(|_| too_big())? };
+    let frac_val: u128 = if frac.is_empty() { 0 } else { frac.parse().map_err(|_| too_big())? };
+    let unit_bytes = 1u128 << shift;
+    let bytes = whole
+        .checked_mul(unit_bytes)
+        .and_then(|w| w.checked_add(frac_val * unit_bytes / 10u128.pow(frac.len() as u32)))
+        .ok_or_else(too_big)?;
+    u64::try_from(bytes).map_err(|_| too_big())
+}
+
+/// `512 B`, `24 KiB`, `1.5 GiB` (powers of 1024, at most one decimal).
+pub fn format_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 || v.fract() == 0.0 { format!("{v:.0} {}", UNITS[u]) } else { format!("{v:.1} {}", UNITS[u]) }
+}
+
+// ---- pool state --------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    Free,
+    Loading,
+    Ready,
+}
+
+const TICKET_LOADING: u8 = 0;
+const TICKET_READY: u8 = 1;
+const TICKET_FAILED: u8 = 2;
+
+/// The outcome of one read, shared by every lease entry waiting for it. Written under the pool
+/// lock (then `done` is notified), read without it on the fast path.
+struct Ticket {
+    state: AtomicU8,
+    error: OnceLock<String>,
+}
+
+impl Ticket {
+    fn new() -> Arc<Ticket> {
+        Arc::new(Ticket { state: AtomicU8::new(TICKET_LOADING), error: OnceLock::new() })
+    }
+    fn state(&self) -> u8 {
+        self.state.load(Ordering::Acquire)
+    }
+}
+
+struct Slot {
+    state: State,
+    /// (MoE layer, expert); meaningful unless `Free`.
+    key: (usize, usize),
+    /// Live leases naming this slot.
+    pins: u32,
+    /// Tick of the last acquire naming it (the LRU key while evictable).
+    last_use: u64,
+    /// Identity of the current occupancy: set anew for every load, 0 when free. Leases remember it
+    /// so that a lease whose load failed (slot freed, maybe reused) does not unpin a stranger.
+    generation: u64,
+    /// The read in flight (while `Loading`).
+    ticket: Option<Arc<Ticket>>,
+}
+
+impl Slot {
+    fn free() -> Slot {
+        Slot { state: State::Free, key: (0, 0), pins: 0, last_use: 0, generation: 0, ticket: None }
+    }
+}
+
+struct Job {
+    slot: usize,
+    generation: u64,
+    layer: usize,
+    expert: usize,
+    ticket: Arc<Ticket>,
+}
+
+struct Inner {
+    slots: Vec<Slot>,
+    /// Records that are `Loading` or `Ready`, to their slot.
+    map: HashMap<(usize, usize), usize>,
+    /// Free slots; popped from the end (initially in ascending order).
+    free: Vec<usize>,
+    /// `Ready` slots with no pins, by `last_use` (ticks are unique): the first is the LRU victim.
+    lru: BTreeMap<u64, usize>,
+    /// Reads not yet taken by an IO thread, FIFO.
+    queue: VecDeque<Job>,
+    tick: u64,
+    next_generation: u64,
+    /// Acquires waiting for abandoned reads to finish (a gauge for diagnostics and tests).
+    blocked: usize,
+    shutdown: bool,
+}
+
+/// What a request needs and what the pool can give it.
+struct Capacity {
+    /// Slots the request's misses need.
+    needed: usize,
+    /// Slots it can take now: free ones and evictable ones not named by the request.
+    available: usize,
+    /// Slots that will become evictable when their read finishes: loading, no lease pins them,
+    /// not named by the request.
+    draining: usize,
+}
+
+impl Inner {
+    fn capacity(&self, layer: usize, experts: &[usize]) -> Capacity {
+        let (mut needed, mut evictable_hits, mut loading_hits) = (0, 0, 0);
+        for &e in experts {
+            match self.map.get(&(layer, e)) {
+                None => needed += 1,
+                Some(&s) => match (self.slots[s].state, self.slots[s].pins) {
+                    (State::Ready, 0) => evictable_hits += 1,
+                    (State::Loading, 0) => loading_hits += 1,
+                    _ => {}
+                },
+            }
+        }
+        let available = self.free.len() + self.lru.len() - evictable_hits;
+        if needed <= available {
+            return Capacity { needed, available, draining: 0 }; // the common case: no scan
+        }
+        let loading = self.slots.iter().filter(|s| s.state == State::Loading && s.pins == 0).count();
+        Capacity { needed, available, draining: loading - loading_hits }
+    }
+}
+
+struct Shared<M> {
+    store: Arc<Store>,
+    memory: Arc<M>,
+    inner: Mutex<Inner>,
+    /// IO threads wait here for jobs.
+    work: Condvar,
+    /// Signalled when a read finishes (or a lease drop makes slots evictable while an acquire is
+    /// blocked): `Lease::wait` and blocked acquires wait here.
+    done: Condvar,
+    counters: PoolCounters,
+}
+
+impl<M> Shared<M> {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // The critical sections only move bookkeeping between consistent states and do not panic;
+        // a poisoned lock means a panic elsewhere in that thread, and the state is still coherent.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The bounded expert cache of one store, with its IO threads. See the module docs.
+pub struct ExpertPool<M: SlotMemory> {
+    shared: Arc<Shared<M>>,
+    threads: Vec<JoinHandle<()>>,
+    layers: usize,
+    num_experts: usize,
+    slot_count: usize,
+    record_bytes: usize,
+}
+
+/// One expert of a lease.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LeaseEntry {
+    pub expert: usize,
+    /// The slot holding it (stable for the lease's life).
+    pub slot: usize,
+    /// Loaded when acquired (no wait needed).
+    pub hit: bool,
+}
+
+struct Pin {
+    generation: u64,
+    /// `None` for hits (ready at acquire).
+    ticket: Option<Arc<Ticket>>,
+}
+
+/// The experts of one MoE layer for one step, pinned in their slots until dropped.
+pub struct Lease<'a, M: SlotMemory> {
+    pool: &'a ExpertPool<M>,
+    layer: usize,
+    entries: Vec<LeaseEntry>,
+    pins: Vec<Pin>,
+}
+
+impl<M: SlotMemory> ExpertPool<M> {
+    /// A pool over `memory`'s slots reading records of `store`, with `io_threads` reader threads.
+    pub fn new(store: Arc<Store>, memory: Arc<M>, io_threads: usize) -> Result<ExpertPool<M>> {
+        let ef = &store.manifest.experts;
+        let (layers, num_experts, record_bytes) = (ef.layers.len(), ef.num_experts, store.record_bytes());
+        let slot_count = memory.slot_count();
+        if memory.record_bytes() != record_bytes {
+            bail!(
+                "expert slots of {} bytes cannot hold this store's records of {record_bytes} bytes ({})",
+                memory.record_bytes(),
+                store.dir.display()
+            );
+        }
+        if slot_count == 0 {
+            bail!("an expert cache needs at least one slot; use a larger --expert-cache");
+        }
+        if io_threads == 0 {
+            bail!("the expert pool needs at least one IO thread");
+        }
+        let inner = Inner {
+            slots: (0..slot_count).map(|_| Slot::free()).collect(),
+            map: HashMap::with_capacity(slot_count),
+            free: (0..slot_count).rev().collect(),
+            lru: BTreeMap::new(),
+            queue: VecDeque::new(),
+            tick: 0,
+            next_generation: 1,
+            blocked: 0,
+            shutdown: false,
+        };
+        let shared = Arc::new(Shared {
+            store,
+            memory,
+            inner: Mutex::new(inner),
+            work: Condvar::new(),
+            done: Condvar::new(),
+            counters: PoolCounters::new(layers),
+        });
+        let mut pool = ExpertPool { shared, threads: Vec::new(), layers, num_experts, slot_count, record_bytes };
+        for i in 0..io_threads {
+            let shared = Arc::clone(&pool.shared);
+            // On failure `pool` drops here, which stops and joins the threads already started.
+            let handle = std::thread::Builder::new()
+                .name(format!("cherenkov-io-{i}"))
+                .spawn(move || io_loop(&shared))
+                .with_context(|| format!("cannot start expert IO thread {i} of {io_threads}"))?;
+            pool.threads.push(handle);
+        }
+        Ok(pool)
+    }
+
+    pub fn store(&self) -> &Arc<Store> {
+        &self.shared.store
+    }
+
+    pub fn memory(&self) -> &Arc<M> {
+        &self.shared.memory
+    }
+
+    pub fn slot_count(&self) -> usize {
+        self.slot_count
+    }
+
+    pub fn record_bytes(&self) -> usize {
+        self.record_bytes
+    }
+
+    /// MoE layers of the store (trunk layers, then MTP layers).
+    pub fn layers(&self) -> usize {
+        self.layers
+    }
+
+    pub fn num_experts(&self) -> usize {
+        self.num_experts
+    }
+
+    /// Pins `experts` of MoE layer `layer` (the store's expert slot index) for one step and queues
+    /// reads for the missing ones, in the order given; returns without waiting for them.
+    ///
+    /// `experts` must be distinct (the caller deduplicates) and ordered by importance.
+    pub fn acquire(&self, layer: usize, experts: &[usize]) -> Result<Lease<'_, M>> {
+        self.check_request(layer, experts)?;
+        let n = experts.len();
+        let mut entries = vec![LeaseEntry { expert: 0, slot: 0, hit: false }; n];
+        let mut pins: Vec<Option<Pin>> = (0..n).map(|_| None).collect();
+        let (mut hits, mut inflight, mut misses) = (0u64, 0u64, 0u64);
+        let mut blocked: Option<Instant> = None;
+        {
+            let mut guard = self.shared.lock();
+            // Capacity first, so a refused request changes nothing. Reads whose leases are gone
+            // finish on their own, so waiting for them cannot deadlock; slots pinned by live
+            // leases may never come back, so those refuse the request instead.
+            loop {
+                let cap = guard.capacity(layer, experts);
+                if cap.needed <= cap.available {
+                    break;
+                }
+                if cap.needed > cap.available + cap.draining {
+                    let pinned = guard.slots.iter().filter(|s| s.pins > 0).count();
+                    drop(guard);
+                    self.record_blocked(layer, blocked);
+                    bail!(
+                        "expert cache is full: layer {layer} needs {} more slots but only {} of {} can take new \
+                         experts ({pinned} are pinned by live leases); drop finished leases before acquiring, or \
+                         use a larger --expert-cache",
+                        cap.needed,
+                        cap.available + cap.draining,
+                        self.slot_count
+                    );
+                }
+                blocked.get_or_insert_with(Instant::now);
+                guard.blocked += 1;
+                guard = self.shared.done.wait(guard).unwrap_or_else(|e| e.into_inner());
+                guard.blocked -= 1;
+            }
+            let inner = &mut *guard;
+            let base = inner.tick;
+            inner.tick += n as u64;
+
+            // Pass 1: pin what is resident or already being read, so no miss below can evict it.
+            for (i, &e) in experts.iter().enumerate() {
+                let Some(&s) = inner.map.get(&(layer, e)) else { continue };
+                let slot = &mut inner.slots[s];
+                if slot.state == State::Ready && slot.pins == 0 {
+                    inner.lru.remove(&slot.last_use);
+                }
+                slot.pins += 1;
+                slot.last_use = base + i as u64 + 1;
+                let ticket = match slot.state {
+                    State::Ready => {
+                        hits += 1;
+                        None
+                    }
+                    State::Loading => {
+                        inflight += 1;
+                        slot.ticket.clone()
+                    }
+                    State::Free => unreachable!("free slots are not in the map"),
+                };
+                entries[i] = LeaseEntry { expert: e, slot: s, hit: ticket.is_none() };
+                pins[i] = Some(Pin { generation: slot.generation, ticket });
+            }
+
+            // Pass 2: misses, in request order: a free slot, else the least recently used one.
+            for (i, &e) in experts.iter().enumerate() {
+                if pins[i].is_some() {
+                    continue;
+                }
+                let s = match inner.free.pop() {
+                    Some(s) => s,
+                    None => {
+                        let (_, s) = inner.lru.pop_first().expect("capacity was checked above");
+                        let old = inner.slots[s].key;
+                        inner.map.remove(&old);
+                        self.shared.counters.record_eviction(old.0);
+                        s
+                    }
+                };
+                let generation = inner.next_generation;
+                inner.next_generation += 1;
+                let ticket = Ticket::new();
+                inner.slots[s] = Slot {
+                    state: State::Loading,
+                    key: (layer, e),
+                    pins: 1,
+                    last_use: base + i as u64 + 1,
+                    generation,
+                    ticket: Some(Arc::clone(&ticket)),
+                };
+                inner.map.insert((layer, e), s);
+                inner.queue.push_back(Job { slot: s, generation, layer, expert: e, ticket: Arc::clone(&ticket) });
+                misses += 1;
+                entries[i] = LeaseEntry { expert: e, slot: s, hit: false };
+                pins[i] = Some(Pin { generation, ticket: Some(ticket) });
+            }
+        }
+        if misses > 0 {
+            self.shared.work.notify_all();
+        }
+        self.record_blocked(layer, blocked);
+        self.shared.counters.record_acquire(layer, hits, inflight, misses);
+        let pins = pins.into_iter().map(|p| p.expect("every entry was assigned")).collect();
+        Ok(Lease { pool: self, layer, entries, pins })
+    }
+
+    fn record_blocked(&self, layer: usize, since: Option<Instant>) {
+        if let Some(t) = since {
+            self.shared.counters.record_wait(layer, u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX));
+        }
+    }
+
+    fn check_request(&self, layer: usize, experts: &[usize]) -> Result<()> {
+        if layer >= self.layers {
+            bail!("MoE layer {layer} is outside the store ({} MoE layers)", self.layers);
+        }
+        if experts.len() > self.slot_count {
+            let rb = self.record_bytes as u64;
+            bail!(
+                "expert cache of {} slots ({} x {}) cannot hold the {} experts one step needs; use --expert-cache \
+                 of at least {}",
+                self.slot_count,
+                self.slot_count,
+                format_bytes(rb),
+                experts.len(),
+                format_bytes(experts.len() as u64 * rb)
+            );
+        }
+        let mut seen = vec![false; self.num_experts];
+        for &e in experts {
+            if e >= self.num_experts {
+                bail!("expert {e} of MoE layer {layer} is outside the store ({} experts per layer)", self.num_experts);
+            }
+            if std::mem::replace(&mut seen[e], true) {
+                bail!("expert {e} appears twice in one request for MoE layer {layer}; the caller must deduplicate");
+            }
+        }
+        Ok(())
+    }
+
+    /// The experts of `layer` currently loaded (ascending); records still loading are not listed.
+    pub fn resident(&self, layer: usize) -> Vec<usize> {
+        let inner = self.shared.lock();
+        let mut v: Vec<usize> =
+            inner.slots.iter().filter(|s| s.state == State::Ready && s.key.0 == layer).map(|s| s.key.1).collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// A snapshot of the counters, the resident count per layer and the slot gauges.
+    pub fn stats(&self) -> PoolStats {
+        let mut resident = vec![0usize; self.layers];
+        let mut gauges =
+            SlotGauges { slots: self.slot_count, record_bytes: self.record_bytes, ..SlotGauges::default() };
+        {
+            let inner = self.shared.lock();
+            for s in &inner.slots {
+                match s.state {
+                    State::Free => gauges.free += 1,
+                    State::Loading => gauges.loading += 1,
+                    State::Ready => resident[s.key.0] += 1,
+                }
+                if s.pins > 0 {
+                    gauges.pinned += 1;
+                }
+            }
+            gauges.blocked_acquires = inner.blocked;
+        }
+        self.shared.counters.snapshot(&resident, gauges)
+    }
+
+    /// Zeroes the counters (what is resident stays).
+    pub fn reset_stats(&self) {
+        self.shared.counters.reset();
+    }
+}
+
+impl<M: SlotMemory> Drop for ExpertPool<M> {
+    fn drop(&mut self) {
+        // No lease is alive (they borrow the pool); queued reads are abandoned, running ones finish.
+        self.shared.lock().shutdown = true;
+        self.shared.work.notify_all();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn io_loop<M: SlotMemory>(shared: &Shared<M>) {
+    let record_bytes = shared.store.record_bytes() as u64;
+    loop {
+        let job = {
+            let mut inner = shared.lock();
+            loop {
+                if inner.shutdown {
+                    return;
+                }
+                if let Some(job) = inner.queue.pop_front() {
+                    break job;
+                }
+                inner = shared.work.wait(inner).unwrap_or_else(|e| e.into_inner());
+            }
+        };
+        let start = Instant::now();
+        let (store, (layer, expert)) = (&shared.store, (job.layer, job.expert));
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            shared.memory.load(job.slot, &mut |buf| store.read_expert(layer, expert, buf))
+        }))
+        .unwrap_or_else(|panic| {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".to_string());
+            Err(anyhow!("the slot loader panicked: {what}"))
+        });
+        let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        shared.counters.record_read(layer, record_bytes, ns, result.is_ok());
+
+        let mut guard = shared.lock();
+        let inner = &mut *guard;
+        let slot = &mut inner.slots[job.slot];
+        debug_assert!(slot.state == State::Loading && slot.generation == job.generation, "a loading slot was reused");
+        match result {
+            Ok(()) => {
+                slot.state = State::Ready;
+                slot.ticket = None;
+                if slot.pins == 0 {
+                    inner.lru.insert(slot.last_use, job.slot);
+                }
+                job.ticket.state.store(TICKET_READY, Ordering::Release);
+            }
+            Err(e) => {
+                let name = &shared.store.manifest.experts.layers[layer].layer;
+                let _ = job
+                    .ticket
+                    .error
+                    .set(format!("expert {expert} of MoE layer {layer} ({name}) failed to load: {e:#}"));
+                job.ticket.state.store(TICKET_FAILED, Ordering::Release);
+                // Forget the record and free the slot; leases still naming it see the generation
+                // change and leave it alone. The next acquire of the record reads it again.
+                inner.map.remove(&(layer, expert));
+                *slot = Slot::free();
+                inner.free.push(job.slot);
+            }
+        }
+        drop(guard);
+        shared.done.notify_all();
+    }
+}
+
+impl<'a, M: SlotMemory> Lease<'a, M> {
+    /// The MoE layer of this lease.
+    pub fn layer(&self) -> usize {
+        self.layer
+    }
+
+    /// The experts in request order.
+    pub fn entries(&self) -> &[LeaseEntry] {
+        &self.entries
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Whether entry `i` is loaded (without blocking; a failed read counts as not ready).
+    pub fn is_ready(&self, i: usize) -> bool {
+        self.pins[i].ticket.as_ref().is_none_or(|t| t.state() == TICKET_READY)
+    }
+
+    /// Blocks until entry `i` is loaded; fails (naming the layer and expert) when its read failed.
+    pub fn wait(&self, i: usize) -> Result<()> {
+        let Some(ticket) = &self.pins[i].ticket else { return Ok(()) };
+        let mut state = ticket.state();
+        if state == TICKET_LOADING {
+            let shared = &self.pool.shared;
+            let start = Instant::now();
+            let mut inner = shared.lock();
+            // The ticket is completed under the lock before `done` is notified: no lost wakeup.
+            while ticket.state() == TICKET_LOADING {
+                inner = shared.done.wait(inner).unwrap_or_else(|e| e.into_inner());
+            }
+            drop(inner);
+            shared.counters.record_wait(self.layer, u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX));
+            state = ticket.state();
+        }
+        match state {
+            TICKET_READY => Ok(()),
+            _ => Err(anyhow!("{}", ticket.error.get().map_or("expert read failed", |s| s.as_str()))),
+        }
+    }
+
+    /// Waits for every entry; returns the first failure (after all reads have settled).
+    pub fn wait_all(&self) -> Result<()> {
+        let mut first = None;
+        let mut failed = 0;
+        for i in 0..self.entries.len() {
+            if let Err(e) = self.wait(i) {
+                failed += 1;
+                first.get_or_insert(e);
+            }
+        }
+        match first {
+            None => Ok(()),
+            Some(e) if failed == 1 => Err(e),
+            Some(e) => Err(e.context(format!("{failed} experts of MoE layer {} failed to load", self.layer))),
+        }
+    }
+}
+
+impl<'a> Lease<'a, HostSlots> {
+    /// Waits for entry `i` and returns its record's bytes, valid while the lease lives.
+    pub fn bytes(&self, i: usize) -> Result<&[u8]> {
+        self.wait(i)?;
+        // SAFETY: entry i is pinned by this lease and its load completed successfully, so the pool
+        // will not load this slot again before the lease drops; the slice borrows the lease.
+        Ok(unsafe { self.pool.shared.memory.slot(self.entries[i].slot) })
+    }
+}
+
+impl<M: SlotMemory> Drop for Lease<'_, M> {
+    fn drop(&mut self) {
+        let mut guard = self.pool.shared.lock();
+        let inner = &mut *guard;
+        let mut released = false;
+        for (entry, pin) in self.entries.iter().zip(&self.pins) {
+            let slot = &mut inner.slots[entry.slot];
+            if slot.generation != pin.generation || slot.state == State::Free {
+                continue; // its read failed and the slot was freed (maybe reused)
+            }
+            slot.pins -= 1;
+            if slot.pins == 0 && slot.state == State::Ready {
+                inner.lru.insert(slot.last_use, entry.slot);
+                released = true;
+            }
+        }
+        let wake = released && inner.blocked > 0;
+        drop(guard);
+        if wake {
+            self.pool.shared.done.notify_all();
+        }
+    }
+}

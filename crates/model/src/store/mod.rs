@@ -134,11 +134,20 @@ impl Store {
         self.index.contains_key(name)
     }
 
+    /// Index of a tensor in the manifest's table (resolve names once, then use [`Store::view`]).
+    pub fn tensor_index(&self, name: &str) -> Result<usize> {
+        self.index.get(name).copied().with_context(|| format!("store {} has no tensor {name}", self.dir.display()))
+    }
+
     pub fn tensor(&self, name: &str) -> Result<TensorView<'_>> {
-        let i = *self.index.get(name).with_context(|| format!("store {} has no tensor {name}", self.dir.display()))?;
-        let meta = &self.manifest.tensors[i];
+        Ok(self.view(self.tensor_index(name)?))
+    }
+
+    /// The tensor at `index` of the manifest's table.
+    pub fn view(&self, index: usize) -> TensorView<'_> {
+        let meta = &self.manifest.tensors[index];
         let slice = |s: Span| &self.dense[s.range()];
-        Ok(TensorView { meta, data: slice(meta.data), scales: meta.scales.map(slice), biases: meta.biases.map(slice) })
+        TensorView { meta, data: slice(meta.data), scales: meta.scales.map(slice), biases: meta.biases.map(slice) }
     }
 
     /// The whole mapped `dense.bin` (for backends that upload it).

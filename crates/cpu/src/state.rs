@@ -1,0 +1,100 @@
+//! Decode state of one sequence on the CPU.
+//!
+//! Everything a token needs from the tokens before it: per attention layer the KV cache, the QSA
+//! index keys (raw per token, and pooled/normalised/rotated per complete block); per Gated DeltaNet
+//! layer the f32 recurrent state and the convolution history; per PLE layer the history of its
+//! dilated convolution; and the last `ngram_size - 1` tokens for the n-gram hash. The state is a
+//! plain value: cloning it snapshots a sequence (the prefix cache relies on that).
+
+use cherenkov_model::LayerType;
+use cherenkov_model::config::TextConfig;
+
+#[derive(Clone, Debug)]
+pub struct AttentionState {
+    /// `[tokens, kv_heads, head_dim]`, rotated keys.
+    pub k: Vec<f32>,
+    /// `[tokens, kv_heads, head_dim]`.
+    pub v: Vec<f32>,
+    /// QSA: raw index key per token `[tokens, index_head_dim]`.
+    pub index_keys: Vec<f32>,
+    /// QSA: per complete block, the mean-pooled key after `k_layernorm` and RoPE at the block's
+    /// first position `[blocks, index_head_dim]`.
+    pub index_blocks: Vec<f32>,
+}
+
+#[derive(Clone, Debug)]
+pub struct GdnState {
+    /// The last `kernel - 1` inputs of the causal convolution, oldest first: `[kernel - 1, conv_dim]`.
+    pub conv: Vec<f32>,
+    /// Per value head, `S[key_dim][value_dim]` (f32; transformers' layout).
+    pub recurrent: Vec<f32>,
+}
+
+#[derive(Clone, Debug)]
+pub enum MixerState {
+    Gdn(GdnState),
+    Attention(AttentionState),
+}
+
+#[derive(Clone, Debug)]
+pub struct LayerState {
+    pub mixer: MixerState,
+    /// PLE: the last `(kernel - 1) * dilation` normalised gated values, oldest first: `[len, hc * hidden]`.
+    pub ple_conv: Option<Vec<f32>>,
+}
+
+#[derive(Clone, Debug)]
+pub struct CpuSession {
+    /// Tokens processed so far (the position of the next token).
+    pub pos: usize,
+    /// The last `ngram_size - 1` tokens, most recent first, EOS-padded at the start.
+    pub ngram_context: Vec<u32>,
+    pub layers: Vec<LayerState>,
+}
+
+impl CpuSession {
+    pub fn new(c: &TextConfig) -> CpuSession {
+        let eos = c.eos().unwrap_or(0);
+        let layers = c
+            .layer_types
+            .iter()
+            .enumerate()
+            .map(|(i, t)| LayerState {
+                mixer: match t {
+                    LayerType::LinearAttention => MixerState::Gdn(GdnState {
+                        conv: vec![0.0; (c.linear_conv_kernel_dim - 1) * c.gdn_conv_dim()],
+                        recurrent: vec![
+                            0.0;
+                            c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+                        ],
+                    }),
+                    LayerType::Attention => MixerState::Attention(AttentionState {
+                        k: Vec::new(),
+                        v: Vec::new(),
+                        index_keys: Vec::new(),
+                        index_blocks: Vec::new(),
+                    }),
+                },
+                ple_conv: c
+                    .ple_index(i)
+                    .map(|_| vec![0.0; (c.ple_conv_kernel_size - 1) * c.ngram_size * c.hc_hidden()]),
+            })
+            .collect();
+        CpuSession { pos: 0, ngram_context: vec![eos; c.ngram_size.saturating_sub(1)], layers }
+    }
+
+    /// Bytes held by this session's state.
+    pub fn bytes(&self) -> usize {
+        let f = std::mem::size_of::<f32>();
+        self.layers
+            .iter()
+            .map(|l| {
+                let m = match &l.mixer {
+                    MixerState::Gdn(g) => g.conv.len() + g.recurrent.len(),
+                    MixerState::Attention(a) => a.k.len() + a.v.len() + a.index_keys.len() + a.index_blocks.len(),
+                };
+                (m + l.ple_conv.as_ref().map_or(0, |p| p.len())) * f
+            })
+            .sum()
+    }
+}

@@ -1,0 +1,191 @@
+//! The decode loop: prefill a prompt, then sample one token at a time until a stop condition.
+//!
+//! Text is streamed as it becomes complete (the stream decoder holds back partial UTF-8), and held
+//! back further while it could still be the start of a stop string, so a stop string never reaches
+//! the caller. Timing separates prefill from decode, so tokens/s figures mean what they say.
+
+use std::time::Instant;
+
+use anyhow::Result;
+
+use crate::backend::{Backend, Logits};
+use crate::sampling::{Sampler, SamplingParams};
+use crate::tokenizer::Tokenizer;
+
+#[derive(Clone, Debug)]
+pub struct GenerateOptions {
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Token ids that end generation (EOS); the stop token itself is not part of the text.
+    pub stop_tokens: Vec<u32>,
+    /// Strings that end generation; the text stops before the first occurrence.
+    pub stop_strings: Vec<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token or stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// The caller asked to stop (e.g. a client disconnected).
+    Cancelled,
+}
+
+impl FinishReason {
+    /// The OpenAI spelling.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Timing {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub prefill_secs: f64,
+    /// Time in decode forwards (one per token after the first).
+    pub decode_secs: f64,
+    pub decode_steps: usize,
+}
+
+impl Timing {
+    pub fn prefill_tps(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill_secs.max(1e-9)
+    }
+    /// Decode tokens/s: decode forwards over the time they took (the first token comes from the
+    /// prefill's logits and is not counted).
+    pub fn decode_tps(&self) -> f64 {
+        self.decode_steps as f64 / self.decode_secs.max(1e-9)
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub finish: FinishReason,
+    pub timing: Timing,
+    /// The seed the sampler used (to reproduce the run).
+    pub seed: u64,
+}
+
+/// Holds back text that may be the beginning of a stop string.
+struct StopFilter {
+    stops: Vec<String>,
+    pending: String,
+}
+
+impl StopFilter {
+    /// Adds text; returns (text safe to emit, whether a stop string was found).
+    fn push(&mut self, s: &str) -> (String, bool) {
+        self.pending.push_str(s);
+        if let Some(at) = self.stops.iter().filter_map(|st| self.pending.find(st.as_str())).min() {
+            let out = self.pending[..at].to_string();
+            self.pending.clear();
+            return (out, true);
+        }
+        // Keep the longest suffix that is a proper prefix of some stop string.
+        let mut keep = 0;
+        for st in &self.stops {
+            for (i, _) in st.char_indices().skip(1) {
+                if self.pending.ends_with(&st[..i]) {
+                    keep = keep.max(i);
+                }
+            }
+        }
+        let cut = self.pending.len() - keep;
+        let out = self.pending[..cut].to_string();
+        self.pending.drain(..cut);
+        (out, false)
+    }
+
+    fn finish(&mut self) -> String {
+        std::mem::take(&mut self.pending)
+    }
+}
+
+/// Prefills `prompt` after the session's history and generates. `on_text` receives text as it
+/// becomes final; returning false cancels.
+pub fn generate<B: Backend>(
+    backend: &B,
+    session: &mut B::Session,
+    prompt: &[u32],
+    tokenizer: &Tokenizer,
+    opts: &GenerateOptions,
+    on_text: &mut dyn FnMut(&str) -> bool,
+) -> Result<Generation> {
+    opts.sampling.validate()?;
+    let mut sampler = Sampler::new(opts.sampling.clone());
+    let mut timing = Timing { prompt_tokens: prompt.len(), ..Timing::default() };
+    let t0 = Instant::now();
+    let mut logits = backend.forward(session, prompt, Logits::Last)?;
+    timing.prefill_secs = t0.elapsed().as_secs_f64();
+
+    let mut decoder = tokenizer.stream_decoder(true);
+    let stops = opts.stop_strings.iter().filter(|s| !s.is_empty()).cloned().collect();
+    let mut filter = StopFilter { stops, pending: String::new() };
+    let mut tokens = Vec::new();
+    let mut text = String::new();
+    let mut emit = |out: &str, text: &mut String| -> bool {
+        if out.is_empty() {
+            return true;
+        }
+        text.push_str(out);
+        on_text(out)
+    };
+    let mut stop_string_hit = false;
+    let finish = loop {
+        if tokens.len() == opts.max_tokens {
+            break FinishReason::Length;
+        }
+        if !tokens.is_empty() {
+            let ts = Instant::now();
+            logits = backend.forward(session, &tokens[tokens.len() - 1..], Logits::Last)?;
+            timing.decode_secs += ts.elapsed().as_secs_f64();
+            timing.decode_steps += 1;
+        }
+        // Penalties count generated tokens only (OpenAI semantics).
+        let tok = sampler.sample(&logits, &tokens);
+        if opts.stop_tokens.contains(&tok) {
+            break FinishReason::Stop;
+        }
+        tokens.push(tok);
+        let (out, stopped) = filter.push(&decoder.push(tok)?);
+        if !emit(&out, &mut text) {
+            break FinishReason::Cancelled;
+        }
+        if stopped {
+            stop_string_hit = true;
+            break FinishReason::Stop;
+        }
+    };
+    // Flush what the decoder and the stop filter still hold (unless a stop string cut the text).
+    if finish != FinishReason::Cancelled && !stop_string_hit {
+        let (mut out, stopped) = filter.push(&decoder.finish()?);
+        if !stopped {
+            out.push_str(&filter.finish());
+        }
+        emit(&out, &mut text);
+    }
+    timing.completion_tokens = tokens.len();
+    Ok(Generation { tokens, text, finish, timing, seed: sampler.seed() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_filter_holds_back_prefixes() {
+        let mut f = StopFilter { stops: vec!["</end>".into()], pending: String::new() };
+        assert_eq!(f.push("hello </e"), ("hello ".to_string(), false));
+        assert_eq!(f.push("x"), ("</ex".to_string(), false));
+        assert_eq!(f.push("ok </en"), ("ok ".to_string(), false));
+        assert_eq!(f.push("d> tail"), (String::new(), true));
+    }
+}

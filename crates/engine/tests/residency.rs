@@ -1,0 +1,571 @@
+//! The expert pool against a real packed store (the tiny-a MLX fixture: 4 MoE layers x 6 experts):
+//! loaded bytes, exact LRU order and counters, pinning, refusals, corrupted records, reads joined
+//! while in flight, and several threads sharing one pool.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+
+use anyhow::Result;
+use cherenkov_engine::residency::{
+    ExpertPool, HostSlots, Lease, LeaseEntry, SlotMemory, format_bytes, parse_size, slots_for_budget,
+};
+use cherenkov_model::checkpoint::Checkpoint;
+use cherenkov_model::store::{Store, pack::pack};
+use indicatif::ProgressBar;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/golden/tiny-a/mlx4");
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    store: Arc<Store>,
+    /// `records[layer][expert]`, read straight from the store.
+    records: Vec<Vec<Vec<u8>>>,
+}
+
+fn fixture() -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = Checkpoint::open(Path::new(FIXTURE)).unwrap_or_else(|e| panic!("{FIXTURE}: {e:#}"));
+    let out = dir.path().join("store");
+    pack(&ck, &out, &ProgressBar::hidden()).unwrap();
+    let store = Store::open(&out).unwrap();
+    let records = all_records(&store);
+    Fixture { _dir: dir, store: Arc::new(store), records }
+}
+
+fn all_records(store: &Store) -> Vec<Vec<Vec<u8>>> {
+    let ef = &store.manifest.experts;
+    (0..ef.layers.len())
+        .map(|l| {
+            (0..ef.num_experts)
+                .map(|e| {
+                    let mut buf = vec![0u8; store.record_bytes()];
+                    store.read_expert(l, e, &mut buf).unwrap();
+                    buf
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn host_pool(f: &Fixture, slots: usize, io_threads: usize) -> ExpertPool<HostSlots> {
+    let memory = Arc::new(HostSlots::new(slots, f.store.record_bytes()).unwrap());
+    ExpertPool::new(Arc::clone(&f.store), memory, io_threads).unwrap()
+}
+
+/// Every entry of the lease holds exactly the store's record.
+fn check_bytes(f: &Fixture, lease: &Lease<'_, HostSlots>) {
+    for (i, e) in lease.entries().iter().enumerate() {
+        let got = lease.bytes(i).unwrap();
+        assert!(got == f.records[lease.layer()][e.expert].as_slice(), "layer {} expert {}", lease.layer(), e.expert);
+    }
+}
+
+/// (expert, slot, hit) of each entry.
+fn shape(lease: &Lease<'_, impl SlotMemory>) -> Vec<(usize, usize, bool)> {
+    lease.entries().iter().map(|e| (e.expert, e.slot, e.hit)).collect()
+}
+
+#[test]
+fn fixture_has_distinct_records() {
+    let f = fixture();
+    let ef = &f.store.manifest.experts;
+    assert_eq!((ef.layers.len(), ef.num_experts), (4, 6));
+    let flat: Vec<&Vec<u8>> = f.records.iter().flatten().collect();
+    for i in 0..flat.len() {
+        for j in i + 1..flat.len() {
+            assert_ne!(flat[i], flat[j], "records {i} and {j} are identical; byte checks would prove nothing");
+        }
+    }
+}
+
+#[test]
+fn loaded_slots_hold_the_store_records() {
+    let f = fixture();
+    let pool = host_pool(&f, 24, 2);
+    for layer in 0..4 {
+        let experts: Vec<usize> = (0..6).rev().collect();
+        let lease = pool.acquire(layer, &experts).unwrap();
+        assert!(lease.entries().iter().all(|e| !e.hit));
+        lease.wait_all().unwrap();
+        check_bytes(&f, &lease);
+    }
+    // Everything is resident now: all hits, still the same bytes.
+    for layer in 0..4 {
+        assert_eq!(pool.resident(layer), vec![0, 1, 2, 3, 4, 5]);
+        let lease = pool.acquire(layer, &[3, 1, 4]).unwrap();
+        assert!(lease.entries().iter().all(|e| e.hit));
+        assert!((0..3).all(|i| lease.is_ready(i)));
+        check_bytes(&f, &lease);
+    }
+    let s = pool.stats();
+    assert_eq!((s.total.routed, s.total.hits, s.total.misses, s.total.evictions), (36, 12, 24, 0));
+    assert_eq!((s.total.reads, s.total.read_errors, s.total.bytes_read), (24, 0, 24 * f.store.record_bytes() as u64));
+    assert_eq!(s.total.resident, 24);
+    assert_eq!(s.hit_rate(), Some(12.0 / 36.0));
+}
+
+#[test]
+fn lru_order_and_counters_on_a_scripted_sequence() {
+    let f = fixture();
+    let pool = host_pool(&f, 3, 1);
+    let step = |layer: usize, experts: &[usize], expect: &[(usize, usize, bool)]| {
+        let lease = pool.acquire(layer, experts).unwrap();
+        assert_eq!(shape(&lease), expect, "acquire({layer}, {experts:?})");
+        lease.wait_all().unwrap();
+        check_bytes(&f, &lease);
+    };
+    // Free slots are used in order 0, 1, 2.
+    step(0, &[0, 1, 2], &[(0, 0, false), (1, 1, false), (2, 2, false)]);
+    // Recency now (oldest first): L0e0, L0e2, L0e1.
+    step(0, &[1], &[(1, 1, true)]);
+    // L0e0 is the least recently used: evicted, its slot 0 reused.
+    step(0, &[3], &[(3, 0, false)]);
+    assert_eq!(pool.resident(0), vec![1, 2, 3]);
+    // Then L0e2 (slot 2).
+    step(1, &[0], &[(0, 2, false)]);
+    assert_eq!((pool.resident(0), pool.resident(1)), (vec![1, 3], vec![0]));
+    // L0e1 is the oldest, but it is part of this step: pinned before the miss picks a victim, so
+    // the miss takes L0e3 (slot 0) instead.
+    step(0, &[0, 1], &[(0, 0, false), (1, 1, true)]);
+    // Recency: L1e0, L0e0, L0e1. The hit L1e0 is spared; the miss evicts L0e0 (slot 0).
+    step(1, &[1, 0], &[(1, 0, false), (0, 2, true)]);
+    assert_eq!((pool.resident(0), pool.resident(1)), (vec![1], vec![0, 1]));
+
+    let s = pool.stats();
+    let rb = f.store.record_bytes() as u64;
+    let l0 = &s.layers[0];
+    assert_eq!((l0.routed, l0.hits, l0.inflight, l0.misses), (7, 2, 0, 5));
+    assert_eq!((l0.reads, l0.bytes_read, l0.evictions, l0.resident), (5, 5 * rb, 4, 1));
+    let l1 = &s.layers[1];
+    assert_eq!((l1.routed, l1.hits, l1.inflight, l1.misses), (3, 1, 0, 2));
+    assert_eq!((l1.reads, l1.bytes_read, l1.evictions, l1.resident), (2, 2 * rb, 0, 2));
+    assert_eq!(s.layers[2], Default::default());
+    assert_eq!((s.total.routed, s.total.hits, s.total.misses, s.total.evictions), (10, 3, 7, 4));
+    assert_eq!(s.total.latency.iter().sum::<u64>(), 7);
+    assert!(s.total.read_ns_max <= s.total.read_ns_sum);
+    assert_eq!(s.hit_rate(), Some(0.3));
+    assert_eq!((s.slots.slots, s.slots.free, s.slots.loading, s.slots.pinned), (3, 0, 0, 0));
+
+    pool.reset_stats();
+    let s = pool.stats();
+    assert_eq!((s.total.routed, s.total.reads, s.total.evictions, s.total.latency.iter().sum::<u64>()), (0, 0, 0, 0));
+    assert_eq!(s.total.resident, 3, "resetting counters keeps what is resident");
+    assert_eq!(s.hit_rate(), None);
+}
+
+#[test]
+fn leased_experts_are_never_evicted() {
+    let f = fixture();
+    let pool = host_pool(&f, 4, 2);
+    let a = pool.acquire(0, &[0, 1, 2]).unwrap();
+    a.wait_all().unwrap();
+    // Churn the one unpinned slot through every other record while `a` is alive.
+    for layer in 1..4 {
+        for e in 0..6 {
+            let l = pool.acquire(layer, &[e]).unwrap();
+            l.wait_all().unwrap();
+            check_bytes(&f, &l);
+            assert_eq!(pool.resident(0), vec![0, 1, 2]);
+        }
+    }
+    check_bytes(&f, &a);
+    let s = pool.stats();
+    assert_eq!(s.layers[0].evictions, 0);
+    assert_eq!(s.total.evictions, 17);
+    assert_eq!(s.slots.pinned, 3);
+
+    // A second live lease takes the last slot; then nothing is left.
+    let b = pool.acquire(1, &[5, 4]).map(|_| ()).unwrap_err();
+    let msg = format!("{b:#}");
+    assert!(msg.contains("expert cache is full") && msg.contains("3 are pinned by live leases"), "{msg}");
+    let b = pool.acquire(3, &[5]).unwrap(); // L3e5 is resident, the last of the churn: a hit
+    assert!(b.entries()[0].hit);
+    let c = pool.acquire(2, &[0]).map(|_| ()).unwrap_err();
+    assert!(format!("{c:#}").contains("4 are pinned by live leases"), "{c:#}");
+    // Hits need no slot: they work even when every slot is pinned.
+    let again = pool.acquire(0, &[2, 0]).unwrap();
+    assert!(again.entries().iter().all(|e| e.hit));
+    check_bytes(&f, &again);
+    drop((again, b));
+    // A refused request changed nothing; after the first lease goes, a full-size step fits.
+    assert_eq!(pool.resident(0), vec![0, 1, 2]);
+    drop(a);
+    let d = pool.acquire(3, &[0, 1, 2, 3]).unwrap();
+    d.wait_all().unwrap();
+    check_bytes(&f, &d);
+    assert!(pool.resident(0).is_empty());
+}
+
+#[test]
+fn bad_requests_fail_clearly() {
+    let f = fixture();
+    let pool = host_pool(&f, 3, 1);
+    let err = |r: Result<Lease<'_, HostSlots>>| format!("{:#}", r.map(|_| ()).unwrap_err());
+    let rb = format_bytes(f.store.record_bytes() as u64);
+    let big = err(pool.acquire(0, &[0, 1, 2, 3]));
+    assert!(big.contains(&format!("expert cache of 3 slots (3 x {rb}) cannot hold the 4 experts")), "{big}");
+    let need = format_bytes(4 * f.store.record_bytes() as u64);
+    assert!(big.contains(&format!("use --expert-cache of at least {need}")), "{big}");
+    assert!(err(pool.acquire(1, &[2, 0, 2])).contains("expert 2 appears twice"));
+    assert!(err(pool.acquire(4, &[0])).contains("MoE layer 4 is outside the store (4 MoE layers)"));
+    assert!(err(pool.acquire(0, &[6])).contains("expert 6 of MoE layer 0 is outside the store (6 experts per layer)"));
+    // Refusals queued nothing.
+    let s = pool.stats();
+    assert_eq!((s.total.routed, s.slots.free), (0, 3));
+    assert!(pool.acquire(0, &[]).unwrap().is_empty());
+
+    let wrong = Arc::new(HostSlots::new(2, f.store.record_bytes() + 4096).unwrap());
+    let e = ExpertPool::new(Arc::clone(&f.store), wrong, 1).map(|_| ()).unwrap_err();
+    assert!(format!("{e:#}").contains("cannot hold this store's records"), "{e:#}");
+    let ok = Arc::new(HostSlots::new(2, f.store.record_bytes()).unwrap());
+    let e = ExpertPool::new(Arc::clone(&f.store), ok, 0).map(|_| ()).unwrap_err();
+    assert!(format!("{e:#}").contains("at least one IO thread"), "{e:#}");
+    let e = HostSlots::new(0, 4096).map(|_| ()).unwrap_err();
+    assert!(format!("{e:#}").contains("at least one slot"), "{e:#}");
+    let e = HostSlots::new(usize::MAX / 2, 4096).map(|_| ()).unwrap_err();
+    assert!(format!("{e:#}").contains("does not fit in memory"), "{e:#}");
+}
+
+#[test]
+fn host_slots_are_page_aligned() {
+    let slots = HostSlots::new(3, 8192).unwrap();
+    assert_eq!(slots.bytes(), 3 * 8192);
+    for s in 0..3 {
+        // SAFETY: nothing loads these slots.
+        let bytes = unsafe { slots.slot(s) };
+        assert_eq!(bytes.len(), 8192);
+        assert_eq!(bytes.as_ptr() as usize % 4096, 0);
+    }
+    let mut n = 0;
+    slots
+        .load(1, &mut |buf| {
+            n = buf.len();
+            buf.fill(7);
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(n, 8192);
+    // SAFETY: no load runs now.
+    let (s0, s1, s2) = unsafe { (slots.slot(0), slots.slot(1), slots.slot(2)) };
+    assert!(s0.iter().all(|&b| b == 0) && s1.iter().all(|&b| b == 7) && s2.iter().all(|&b| b == 0));
+    assert!(slots.load(3, &mut |_| Ok(())).is_err());
+}
+
+/// Copies a store directory and flips one byte inside record (layer, expert).
+fn corrupted_copy(f: &Fixture, into: &Path, layer: usize, expert: usize) -> Store {
+    std::fs::create_dir_all(into).unwrap();
+    for entry in std::fs::read_dir(&f.store.dir).unwrap() {
+        let entry = entry.unwrap();
+        assert!(entry.file_type().unwrap().is_file(), "the store directory is flat");
+        std::fs::copy(entry.path(), into.join(entry.file_name())).unwrap();
+    }
+    let ef = &f.store.manifest.experts;
+    let path = into.join(&ef.file);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = ef.record_index(layer, expert) as usize * f.store.record_bytes() + 100;
+    bytes[at] ^= 0x5a;
+    std::fs::write(&path, bytes).unwrap();
+    Store::open(into).unwrap()
+}
+
+#[test]
+fn a_corrupted_record_fails_its_wait_and_the_pool_keeps_working() {
+    let f = fixture();
+    let dir = tempfile::tempdir().unwrap();
+    let bad = Arc::new(corrupted_copy(&f, dir.path(), 1, 2));
+    let memory = Arc::new(HostSlots::new(8, bad.record_bytes()).unwrap());
+    let pool = ExpertPool::new(bad, memory, 2).unwrap();
+    let name = &f.store.manifest.experts.layers[1].layer;
+
+    let lease = pool.acquire(1, &[2, 3]).unwrap();
+    let e = format!("{:#}", lease.wait(0).unwrap_err());
+    assert!(e.contains(&format!("expert 2 of MoE layer 1 ({name}) failed to load")), "{e}");
+    assert!(e.contains("corrupted expert record") && e.contains("checksum"), "{e}");
+    assert!(!lease.is_ready(0));
+    assert!(lease.bytes(0).is_err());
+    lease.wait(1).unwrap();
+    assert_eq!(lease.bytes(1).unwrap(), f.records[1][3].as_slice());
+    assert!(format!("{:#}", lease.wait_all().unwrap_err()).contains("expert 2 of MoE layer 1"));
+    // The failed slot was freed at once, although the lease still names it.
+    assert_eq!(pool.resident(1), vec![3]);
+    let s = pool.stats();
+    assert_eq!(
+        (s.layers[1].reads, s.layers[1].read_errors, s.layers[1].bytes_read),
+        (1, 1, f.store.record_bytes() as u64)
+    );
+    assert_eq!((s.slots.free, s.slots.loading), (7, 0));
+
+    // Other experts load while the failed lease is alive; its drop leaves the reused slot alone.
+    let others = pool.acquire(1, &[0, 1, 4, 5]).unwrap();
+    others.wait_all().unwrap();
+    check_bytes(&f, &others);
+    drop(lease);
+    assert_eq!(pool.stats().slots.pinned, 4);
+    drop(others);
+
+    // The next acquire reads the record again (and fails again).
+    let retry = pool.acquire(1, &[2]).unwrap();
+    assert!(!retry.entries()[0].hit);
+    assert!(retry.wait(0).is_err());
+    drop(retry);
+    let s = pool.stats();
+    assert_eq!((s.layers[1].misses, s.layers[1].read_errors), (7, 2));
+    assert_eq!(pool.resident(1), vec![0, 1, 3, 4, 5]);
+    assert_eq!((s.slots.free, s.slots.pinned), (3, 0));
+    // The same expert of other layers is fine.
+    let l2 = pool.acquire(2, &[2]).unwrap();
+    assert_eq!(l2.bytes(0).unwrap(), f.records[2][2].as_slice());
+}
+
+/// Host slots whose loads block until the test opens a gate, so in-flight states are deterministic.
+struct GatedSlots {
+    slots: HostSlots,
+    open: Mutex<bool>,
+    opened: Condvar,
+    loads: AtomicUsize,
+}
+
+impl GatedSlots {
+    fn new(slots: usize, record_bytes: usize) -> Arc<GatedSlots> {
+        Arc::new(GatedSlots {
+            slots: HostSlots::new(slots, record_bytes).unwrap(),
+            open: Mutex::new(false),
+            opened: Condvar::new(),
+            loads: AtomicUsize::new(0),
+        })
+    }
+    fn open(&self) {
+        *self.open.lock().unwrap() = true;
+        self.opened.notify_all();
+    }
+}
+
+impl SlotMemory for GatedSlots {
+    fn slot_count(&self) -> usize {
+        self.slots.slot_count()
+    }
+    fn record_bytes(&self) -> usize {
+        self.slots.record_bytes()
+    }
+    fn load(&self, slot: usize, read: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
+        let mut open = self.open.lock().unwrap();
+        while !*open {
+            open = self.opened.wait(open).unwrap();
+        }
+        drop(open);
+        self.loads.fetch_add(1, Ordering::SeqCst);
+        self.slots.load(slot, read)
+    }
+}
+
+#[test]
+fn a_record_in_flight_is_read_once() {
+    let f = fixture();
+    let memory = GatedSlots::new(4, f.store.record_bytes());
+    let pool = ExpertPool::new(Arc::clone(&f.store), Arc::clone(&memory), 2).unwrap();
+    let a = pool.acquire(2, &[4]).unwrap();
+    let b = pool.acquire(2, &[1, 4]).unwrap();
+    assert_eq!(shape(&a), vec![(4, 0, false)]);
+    assert_eq!(shape(&b), vec![(1, 1, false), (4, 0, false)]);
+    assert!(!a.is_ready(0) && !b.is_ready(1));
+    assert!(pool.resident(2).is_empty(), "loading records are not listed as resident");
+    let s = pool.stats();
+    assert_eq!((s.layers[2].routed, s.layers[2].hits, s.layers[2].inflight, s.layers[2].misses), (3, 0, 1, 2));
+    assert_eq!((s.slots.loading, s.slots.pinned), (2, 2));
+
+    // Both leases wait on the same read, from two threads.
+    memory.open();
+    std::thread::scope(|scope| {
+        scope.spawn(|| a.wait(0).unwrap());
+        b.wait_all().unwrap();
+    });
+    assert_eq!(memory.loads.load(Ordering::SeqCst), 2);
+    for (lease, i) in [(&a, 0), (&b, 1), (&b, 0)] {
+        let e = lease.entries()[i];
+        // SAFETY: the entry is loaded and pinned by a live lease.
+        let got = unsafe { memory.slots.slot(e.slot) };
+        assert_eq!(got, f.records[2][e.expert].as_slice());
+    }
+    assert_eq!(pool.stats().layers[2].reads, 2);
+}
+
+#[test]
+fn a_loading_slot_is_never_evicted() {
+    let f = fixture();
+    let memory = GatedSlots::new(2, f.store.record_bytes());
+    // One IO thread: reads finish in queue order, so the LRU victim below is deterministic.
+    let pool = ExpertPool::new(Arc::clone(&f.store), Arc::clone(&memory), 1).unwrap();
+
+    // Loading and pinned by a live lease: a request that needs its slot is refused at once.
+    let held = pool.acquire(0, &[0, 1]).unwrap();
+    let e = format!("{:#}", pool.acquire(1, &[0]).map(|_| ()).unwrap_err());
+    assert!(e.contains("expert cache is full") && e.contains("2 are pinned by live leases"), "{e}");
+    // Dropped before its reads finished: unpinned but still loading. Not evictable either, but it
+    // will free up on its own, so the next request waits for it instead of failing.
+    drop(held);
+    let s = pool.stats();
+    assert_eq!((s.slots.loading, s.slots.pinned, s.slots.free), (2, 0, 0));
+    std::thread::scope(|scope| {
+        let waiter = scope.spawn(|| {
+            let lease = pool.acquire(1, &[3]).unwrap();
+            let entry = lease.entries()[0];
+            lease.wait_all().unwrap();
+            // SAFETY: the entry is loaded and pinned by the live lease.
+            assert_eq!(unsafe { memory.slots.slot(entry.slot) }, f.records[1][3].as_slice());
+            entry
+        });
+        while pool.stats().slots.blocked_acquires == 0 {
+            assert!(!waiter.is_finished(), "acquire returned (or failed) while both slots were still loading");
+            std::thread::yield_now();
+        }
+        assert_eq!(memory.loads.load(Ordering::SeqCst), 0);
+        memory.open();
+        // Expert 0 of layer 0 (slot 0) was the least recently used once both reads ended.
+        assert_eq!(waiter.join().unwrap(), LeaseEntry { expert: 3, slot: 0, hit: false });
+    });
+    assert_eq!(memory.loads.load(Ordering::SeqCst), 3);
+    assert_eq!((pool.resident(0), pool.resident(1)), (vec![1], vec![3]));
+    let s = pool.stats();
+    assert_eq!((s.layers[0].evictions, s.slots.blocked_acquires), (1, 0));
+}
+
+/// Random distinct experts of a random layer.
+fn random_request(rng: &mut ChaCha8Rng, max: usize) -> (usize, Vec<usize>) {
+    let layer = rng.random_range(0..4);
+    let k = rng.random_range(1..=max);
+    (layer, rand::seq::index::sample(rng, 6, k).into_vec())
+}
+
+/// Acquires every record once and waits, so no read is left in flight.
+fn settle(pool: &ExpertPool<HostSlots>) {
+    for layer in 0..4 {
+        for chunk in [[0, 1, 2], [3, 4, 5]] {
+            pool.acquire(layer, &chunk).unwrap().wait_all().unwrap();
+        }
+    }
+}
+
+#[test]
+fn threads_share_one_pool() {
+    let f = fixture();
+    // 4 threads x at most 4 experts never exceed 16 slots: every acquire must succeed.
+    let pool = host_pool(&f, 16, 2);
+    std::thread::scope(|scope| {
+        for t in 0..4u64 {
+            let (pool, f) = (&pool, &f);
+            scope.spawn(move || {
+                let mut rng = ChaCha8Rng::seed_from_u64(t);
+                for _ in 0..300 {
+                    let (layer, experts) = random_request(&mut rng, 4);
+                    let lease = pool.acquire(layer, &experts).unwrap();
+                    match rng.random_range(0..4) {
+                        0 => {} // dropped without waiting
+                        1 => {
+                            let i = rng.random_range(0..experts.len());
+                            assert_eq!(lease.bytes(i).unwrap(), f.records[layer][experts[i]].as_slice());
+                        }
+                        _ => {
+                            for i in (0..experts.len()).rev() {
+                                lease.wait(i).unwrap();
+                            }
+                            check_bytes(f, &lease);
+                        }
+                    }
+                }
+            });
+        }
+    });
+    settle(&pool);
+    let s = pool.stats();
+    assert_eq!(s.total.routed, s.total.hits + s.total.inflight + s.total.misses);
+    assert_eq!(s.total.reads, s.total.misses);
+    assert_eq!(s.total.read_errors, 0);
+    assert!(s.total.evictions > 0, "the pool is smaller than the store: {s}");
+    assert_eq!((s.total.resident, s.slots.free, s.slots.loading, s.slots.pinned), (16, 0, 0, 0));
+    eprintln!("{s}");
+}
+
+#[test]
+fn threads_competing_for_a_tiny_pool_get_errors_not_deadlocks() {
+    let f = fixture();
+    let pool = host_pool(&f, 4, 2);
+    let refused = AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        for t in 0..3u64 {
+            let (pool, f, refused) = (&pool, &f, &refused);
+            scope.spawn(move || {
+                let mut rng = ChaCha8Rng::seed_from_u64(100 + t);
+                for _ in 0..300 {
+                    let (layer, experts) = random_request(&mut rng, 3);
+                    match pool.acquire(layer, &experts) {
+                        Ok(lease) => {
+                            lease.wait_all().unwrap();
+                            check_bytes(f, &lease);
+                        }
+                        Err(e) => {
+                            let msg = format!("{e:#}");
+                            assert!(msg.contains("expert cache is full"), "{msg}");
+                            refused.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            });
+        }
+    });
+    let s = pool.stats();
+    assert_eq!(s.total.routed, s.total.hits + s.total.inflight + s.total.misses);
+    assert_eq!(s.total.reads, s.total.misses, "every lease waited, so every read has finished");
+    assert_eq!((s.slots.loading, s.slots.pinned), (0, 0));
+    // Alone again, a full-size request works.
+    let lease = pool.acquire(3, &[5, 4, 3, 2]).unwrap();
+    lease.wait_all().unwrap();
+    check_bytes(&f, &lease);
+    eprintln!("tiny pool: {} requests refused while others held the slots", refused.load(Ordering::Relaxed));
+}
+
+#[test]
+fn sizes_parse_as_powers_of_1024() {
+    let cases: [(&str, u64); 12] = [
+        ("4096", 4096),
+        ("4096B", 4096),
+        ("512M", 512 << 20),
+        ("512mb", 512 << 20),
+        ("2G", 2 << 30),
+        ("1.5GiB", 3 << 29),
+        ("64k", 64 << 10),
+        (" 3 KiB ", 3 << 10),
+        ("1T", 1 << 40),
+        (".5K", 512),
+        ("1.0001K", 1024),
+        ("0", 0),
+    ];
+    for (text, want) in cases {
+        assert_eq!(parse_size(text).unwrap(), want, "{text:?}");
+    }
+    for bad in ["", "G", "12X", "1.5", "1..5G", "-1G", "1.2.3M", "99999999999T", "1 GB extra"] {
+        let e = parse_size(bad).unwrap_err();
+        assert!(format!("{e:#}").contains(&format!("{bad:?}")), "{bad:?}: {e:#}");
+    }
+    assert_eq!(slots_for_budget(parse_size("1M").unwrap(), 24 << 10), 42);
+    assert_eq!(slots_for_budget(100, 4096), 0);
+    assert_eq!(slots_for_budget(1 << 20, 0), 0);
+    assert_eq!(format_bytes(512), "512 B");
+    assert_eq!(format_bytes(24 << 10), "24 KiB");
+    assert_eq!(format_bytes(3 << 29), "1.5 GiB");
+}
+
+#[test]
+fn latency_buckets() {
+    use cherenkov_engine::stats::{LATENCY_BUCKETS, latency_bucket, latency_bucket_label};
+    assert_eq!(LATENCY_BUCKETS, 12);
+    let cases = [(0, 0), (49_999, 0), (50_000, 1), (999_999, 4), (1_000_000, 5), (99_999_999, 10), (u64::MAX, 11)];
+    for (ns, bucket) in cases {
+        assert_eq!(latency_bucket(ns), bucket, "{ns} ns");
+    }
+    assert_eq!(latency_bucket_label(0), "<50us");
+    assert_eq!(latency_bucket_label(5), "<2.5ms");
+    assert_eq!(latency_bucket_label(11), ">=100ms");
+}
