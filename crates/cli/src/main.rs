@@ -1,1 +1,113 @@
-fn main() {}
+//! The `cherenkov` command line. Subcommands only: each lives in its own module with its
+//! arguments and a `run`; model logic stays in the library crates.
+//!
+//! Adding a subcommand: a module with `XArgs` (clap `Args`) and `run`, a variant of [`Command`],
+//! and one arm in [`dispatch`].
+
+mod inspect;
+mod models;
+mod prepare;
+mod progress;
+mod resolve;
+mod stores;
+mod synth;
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+const ABOUT: &str = "Run Mixture-of-Experts models larger than accelerator memory";
+
+const LONG_ABOUT: &str = "\
+Cherenkov runs qwen4_exp Mixture-of-Experts models whose routed experts do not fit in memory: dense \
+weights stay resident and experts stream from a packed on-disk store.
+
+Models are registered by name in $CHERENKOV_HOME (default: the user data directory, e.g. \
+~/.local/share/cherenkov): registry.json maps names to stores, and `prepare` writes stores to \
+$CHERENKOV_HOME/stores/<name>.
+
+Wherever a command takes a MODEL, it accepts a registered name, a store directory (with \
+manifest.json) or a checkpoint directory (with config.json; packed on first use and registered under \
+the directory's name).";
+
+const EXAMPLES: &str = "\
+Examples:
+  cherenkov prepare /models/Qwen4-Exp-MLX-4bit --name flash
+  cherenkov model list
+  cherenkov inspect flash --verify
+  cherenkov synth /tmp/demo-ckpt --preset demo && cherenkov prepare /tmp/demo-ckpt --name demo";
+
+#[derive(Parser, Debug)]
+#[command(name = "cherenkov", version, about = ABOUT, long_about = LONG_ABOUT, after_help = EXAMPLES)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Pack a checkpoint directory into a store and register it under a name.
+    #[command(
+        long_about = "Pack a checkpoint directory into a store and register it under a name.\n\n\
+            Validates the whole checkpoint first (config, every tensor's presence, shape and dtype), then \
+            writes $CHERENKOV_HOME/stores/<NAME>: dense weights in their source precision (BF16 linears \
+            quantized to 4-bit groups of 64, routers to 8-bit, n-gram rows to 4-bit groups of 32; MLX \
+            weights kept bit for bit), one aligned record per expert, the n-gram table, and the tokenizer \
+            files. The store is built in a temporary directory and renamed into place only when complete, \
+            so an error or an interrupt leaves nothing registered.\n\n\
+            If a complete store packed from a checkpoint with the same fingerprint exists, it is reused \
+            and only the name is registered. If NAME is registered to a different checkpoint, prepare \
+            refuses unless --force is given.",
+        after_help = "Examples:\n  cherenkov prepare /models/Qwen4-Exp-MLX-4bit --name flash\n  \
+            cherenkov prepare ./my-finetune --name flash --force"
+    )]
+    Prepare(prepare::PrepareArgs),
+    /// List or remove registered models.
+    #[command(subcommand)]
+    Model(models::ModelCommand),
+    /// Show a model's configuration, sizes on disk and precisions; --verify re-hashes the store.
+    #[command(after_help = "Examples:\n  cherenkov inspect flash\n  cherenkov inspect flash --verify\n  \
+            cherenkov inspect ~/.local/share/cherenkov/stores/flash --json")]
+    Inspect(inspect::InspectArgs),
+    /// Write a synthetic qwen4_exp checkpoint with random weights (for demos and benchmarks).
+    #[command(
+        long_about = "Write a synthetic qwen4_exp checkpoint with random BF16 weights in the Hugging Face \
+            layout (sharded safetensors with an index, config.json, a small tokenizer and chat template). \
+            Its outputs are meaningless; it exists to try the tools and to measure them at any size \
+            without downloading a model. The weights are generated and written tensor by tensor, so \
+            checkpoints of many GB need little memory.",
+        after_help = "Examples:\n  cherenkov synth /tmp/tiny --preset tiny\n  \
+            cherenkov synth /tmp/bench --hidden 2048 --layers 8 --experts 64 --moe-intermediate 512"
+    )]
+    Synth(synth::SynthArgs),
+}
+
+fn dispatch(command: &Command, out: &mut dyn Write) -> Result<()> {
+    match command {
+        Command::Prepare(a) => prepare::run(a, out),
+        Command::Model(c) => models::run(c, out),
+        Command::Inspect(a) => inspect::run(a, out),
+        Command::Synth(a) => synth::run(a, out),
+    }
+}
+
+/// A closed stdout (`cherenkov model list | head -1`) ends the command quietly.
+fn broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let mut out = std::io::stdout().lock();
+    let result = dispatch(&cli.command, &mut out).and_then(|()| Ok(out.flush()?));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if broken_pipe(&e) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

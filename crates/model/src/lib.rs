@@ -5,6 +5,7 @@
 //! - [`quant`]: MLX affine quantization (bit-exact with `mx.quantize`) and the packed bit layout.
 //! - [`arch`]: the tensors a config implies, with their shapes and quantization rules.
 //! - [`checkpoint`]: Hugging Face (BF16) and MLX (affine) layouts mapped onto one set of names.
+//! - [`synth`]: synthetic checkpoints (random weights, the real Hugging Face layout) for tests and benchmarks.
 //! - [`store`]: the packed store (`manifest.json`, `dense.bin`, `experts-*.bin`, `ngram.bin`),
 //!   its writer ([`store::pack`]) and its reader ([`store::Store`]).
 
@@ -16,6 +17,7 @@ pub mod ngram;
 pub mod quant;
 pub mod safetensors;
 pub mod store;
+pub mod synth;
 
 pub use config::{LayerType, ModelConfig, TextConfig};
 pub use dtype::DType;
