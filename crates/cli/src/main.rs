@@ -4,11 +4,15 @@
 //! Adding a subcommand: a module with `XArgs` (clap `Args`) and `run`, a variant of [`Command`],
 //! and one arm in [`dispatch`].
 
+mod demo;
 mod inspect;
+mod load;
+mod logits;
 mod models;
 mod prepare;
 mod progress;
 mod resolve;
+mod run;
 mod stores;
 mod synth;
 
@@ -30,10 +34,14 @@ $CHERENKOV_HOME/stores/<name>.
 
 Wherever a command takes a MODEL, it accepts a registered name, a store directory (with \
 manifest.json) or a checkpoint directory (with config.json; packed on first use and registered under \
-the directory's name).";
+the directory's name). `cherenkov MODEL PROMPT` is short for `cherenkov run MODEL PROMPT`.";
 
 const EXAMPLES: &str = "\
 Examples:
+  cherenkov demo
+  cherenkov run flash 'Explain hash collisions.' --max-tokens 256
+  cherenkov flash 'Explain hash collisions.' --temperature 0
+  cherenkov logits flash --tokens 1,2,3 --out logits.npy
   cherenkov prepare /models/Qwen4-Exp-MLX-4bit --name flash
   cherenkov model list
   cherenkov inspect flash --verify
@@ -48,6 +56,29 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Generate text from a prompt, streamed to stdout; cache statistics go to stderr.
+    #[command(
+        long_about = "Generate text from a prompt. The prompt is the user message of the model's chat \
+            template (thinking disabled) unless --raw; text streams to stdout as it is decoded; a summary \
+            (prompt and decode tokens/s, expert-cache hit rate, bytes read per token, time waiting on \
+            reads) goes to stderr. Sampling defaults come from the model's generation_config.json; \
+            --temperature 0 is greedy. Stops at an EOS token or after --max-tokens.",
+        after_help = "Examples:\n  cherenkov run flash 'Explain hash collisions.'\n  \
+            cherenkov run flash 'Write a haiku.' --temperature 0.7 --top-p 0.9 --seed 42 --expert-cache 8G\n  \
+            cherenkov run ./checkpoint-dir 'hello' --raw --max-tokens 16 --layers"
+    )]
+    Run(run::RunArgs),
+    /// Write the float32 logits of one full forward over given tokens to a .npy file.
+    #[command(after_help = "Examples:\n  cherenkov logits flash --tokens 1,2,3 --out logits.npy\n  \
+            cherenkov logits flash --text 'The quick brown fox' --out logits.npy")]
+    Logits(logits::LogitsArgs),
+    /// Synthesize a small model, pack it and generate with half of its experts cached (no network).
+    #[command(long_about = "Runs the whole pipeline on a model made here, with no download: writes a \
+            synthetic qwen4_exp checkpoint (random weights, so the text is gibberish) under \
+            $CHERENKOV_HOME/demo, packs it into a store registered as `demo`, and generates with an expert \
+            cache that holds half of the experts, printing the cache statistics per layer. Later runs \
+            reuse the checkpoint and the store.")]
+    Demo(demo::DemoArgs),
     /// Pack a checkpoint directory into a store and register it under a name.
     #[command(
         long_about = "Pack a checkpoint directory into a store and register it under a name.\n\n\
@@ -86,6 +117,9 @@ enum Command {
 
 fn dispatch(command: &Command, out: &mut dyn Write) -> Result<()> {
     match command {
+        Command::Run(a) => run::run(a, out),
+        Command::Logits(a) => logits::run(a, out),
+        Command::Demo(a) => demo::run(a, out),
         Command::Prepare(a) => prepare::run(a, out),
         Command::Model(c) => models::run(c, out),
         Command::Inspect(a) => inspect::run(a, out),
@@ -98,8 +132,22 @@ fn broken_pipe(e: &anyhow::Error) -> bool {
     e.chain().any(|c| c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe))
 }
 
+/// `cherenkov MODEL PROMPT ...` is `cherenkov run MODEL PROMPT ...`: a first argument that is
+/// neither a subcommand nor a flag names a model.
+fn with_implicit_run(mut args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    use clap::CommandFactory;
+    if let Some(first) = args.get(1).and_then(|a| a.to_str()) {
+        let cmd = Cli::command();
+        let known = cmd.get_subcommands().any(|s| s.get_name() == first || s.get_all_aliases().any(|a| a == first));
+        if !first.starts_with('-') && !known && first != "help" {
+            args.insert(1, "run".into());
+        }
+    }
+    args
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(with_implicit_run(std::env::args_os().collect()));
     let mut out = std::io::stdout().lock();
     let result = dispatch(&cli.command, &mut out).and_then(|()| Ok(out.flush()?));
     match result {

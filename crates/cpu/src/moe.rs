@@ -76,39 +76,39 @@ pub fn forward(store: &Store, c: &TextConfig, w: &Moe, pool: &ExpertPool<HostSlo
     best.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
     let experts: Vec<usize> = best.iter().map(|b| b.0).collect();
 
-    let lease = pool.acquire(w.expert_slot, &experts)?;
     let layout = &store.manifest.experts.layers[w.expert_slot];
     // contrib[(row * k + rank) * H ..] = p * expert(h[row])
     let mut contrib = vec![0f32; t * k * hid];
-    let order: Vec<usize> = {
+    // A long prefill can route to more experts than the pool holds: take them in pool-sized groups.
+    for group in experts.chunks(pool.slot_count()) {
+        let lease = pool.acquire(w.expert_slot, group)?;
         let entries = lease.entries();
-        let mut o: Vec<usize> = (0..entries.len()).filter(|&i| entries[i].hit).collect();
-        o.extend((0..entries.len()).filter(|&i| !entries[i].hit));
-        o
-    };
-    for i in order {
-        let rec = lease.bytes(i)?;
-        let entry = &lease.entries()[i];
-        let gate = Linear::from_record(rec, &layout.gate_proj)?;
-        let up = Linear::from_record(rec, &layout.up_proj)?;
-        let down = Linear::from_record(rec, &layout.down_proj)?;
-        let mut rows = Vec::new();
-        let mut x = Vec::new();
-        for (r, route) in routes.iter().enumerate() {
-            if let Some(rank) = route.iter().position(|&(e, _)| e == entry.expert) {
-                rows.push((r, rank, route[rank].1));
-                x.extend_from_slice(&h[r * hid..(r + 1) * hid]);
+        // Resident experts first, while the misses are read.
+        let order =
+            (0..entries.len()).filter(|&i| entries[i].hit).chain((0..entries.len()).filter(|&i| !entries[i].hit));
+        for i in order {
+            let rec = lease.bytes(i)?;
+            let entry = &entries[i];
+            let gate = Linear::from_record(rec, &layout.gate_proj)?;
+            let up = Linear::from_record(rec, &layout.up_proj)?;
+            let down = Linear::from_record(rec, &layout.down_proj)?;
+            let mut rows = Vec::new();
+            let mut x = Vec::new();
+            for (r, route) in routes.iter().enumerate() {
+                if let Some(rank) = route.iter().position(|&(e, _)| e == entry.expert) {
+                    rows.push((r, rank, route[rank].1));
+                    x.extend_from_slice(&h[r * hid..(r + 1) * hid]);
+                }
             }
-        }
-        let y = mlp(&gate, &up, &down, &x);
-        for (n, &(r, rank, p)) in rows.iter().enumerate() {
-            let dst = &mut contrib[(r * k + rank) * hid..(r * k + rank + 1) * hid];
-            for (d, &v) in dst.iter_mut().zip(&y[n * hid..(n + 1) * hid]) {
-                *d = p * v;
+            let y = mlp(&gate, &up, &down, &x);
+            for (n, &(r, rank, p)) in rows.iter().enumerate() {
+                let dst = &mut contrib[(r * k + rank) * hid..(r * k + rank + 1) * hid];
+                for (d, &v) in dst.iter_mut().zip(&y[n * hid..(n + 1) * hid]) {
+                    *d = p * v;
+                }
             }
         }
     }
-    drop(lease);
 
     let shared = mlp(&w.shared_gate_proj.lin(store), &w.shared_up_proj.lin(store), &w.shared_down_proj.lin(store), h);
     let mut sg = vec![0f32; t];

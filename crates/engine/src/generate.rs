@@ -149,6 +149,10 @@ pub fn generate<B: Backend>(
             timing.decode_secs += ts.elapsed().as_secs_f64();
             timing.decode_steps += 1;
         }
+        // Rows past the tokenizer's vocabulary are padding of the embedding: never sample them.
+        if logits.len() > tokenizer.vocab_size() {
+            logits[tokenizer.vocab_size()..].fill(f32::NEG_INFINITY);
+        }
         // Penalties count generated tokens only (OpenAI semantics).
         let tok = sampler.sample(&logits, &tokens);
         if opts.stop_tokens.contains(&tok) {

@@ -41,7 +41,7 @@ pub struct SafeTensors {
     file: File,
     tensors: BTreeMap<String, TensorInfo>,
     metadata: BTreeMap<String, String>,
-    /// xxh3 of the header bytes plus the file length: identifies the file's contents cheaply.
+    /// xxh3 of the header, the file length and samples of the data: identifies the file cheaply.
     fingerprint: u64,
 }
 
@@ -143,7 +143,17 @@ impl SafeTensors {
                 bail!("{show}: tensors {:?} and {:?} overlap in the data section", w[0].0, w[1].0);
             }
         }
-        let fingerprint = xxhash_rust::xxh3::xxh3_64_with_seed(&header, file_len);
+        // Identity: the header, the length, and samples of the data (start, middle, end), so two
+        // checkpoints with the same architecture but different weights differ.
+        let mut h = xxhash_rust::xxh3::Xxh3::with_seed(file_len);
+        h.update(&header);
+        let sample = (64u64 << 10).min(data_len);
+        for at in [data_start, data_start + (data_len - sample) / 2, file_len - sample] {
+            let mut buf = vec![0u8; sample as usize];
+            file.read_exact_at(&mut buf, at).with_context(|| format!("{show}: cannot read the data section"))?;
+            h.update(&buf);
+        }
+        let fingerprint = h.digest();
         Ok(SafeTensors { path: path.to_path_buf(), file, tensors, metadata, fingerprint })
     }
 
