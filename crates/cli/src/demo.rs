@@ -54,7 +54,13 @@ pub fn run(args: &DemoArgs, out: &mut dyn Write) -> Result<()> {
         system: None,
         raw: false,
         layers: true,
-        load: LoadArgs { expert_cache: Some(half.to_string()), io_threads: 4, threads: None },
+        check: false,
+        load: LoadArgs {
+            expert_cache: Some(half.to_string()),
+            io_threads: 4,
+            max_context: 8192,
+            ..LoadArgs::default()
+        },
     };
     writeln!(out, "--- {} (synthetic weights: expect gibberish) ---", run_args.prompt)?;
     crate::run::run(&run_args, out)

@@ -1,25 +1,43 @@
-//! Opening a store for inference: the expert pool's size and threads, and the CPU backend.
+//! Opening a store for inference: the backend, the expert pool's size and threads.
 
 use std::path::Path;
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use cherenkov_cpu::CpuModel;
+use cherenkov_cuda::CudaModel;
+use cherenkov_cuda::gpu::Gpu;
+use cherenkov_cuda::slots::DeviceSlots;
 use cherenkov_engine::residency::{ExpertPool, HostSlots, format_bytes, parse_size, slots_for_budget};
+use cherenkov_model::LayerType;
+use cherenkov_model::config::TextConfig;
 use cherenkov_model::store::Store;
 
-/// Memory and threading options shared by every command that runs a model.
-#[derive(clap::Args, Debug, Clone)]
+use crate::backend::{AnyModel, BackendChoice};
+
+/// Memory, backend and threading options shared by every command that runs a model.
+#[derive(clap::Args, Debug, Clone, Default)]
 pub struct LoadArgs {
-    /// Memory for routed experts (e.g. 512M, 4G; K/M/G are powers of 1024). Default: every expert
-    /// if they fit in half the available memory, otherwise half the available memory. At least one
-    /// expert record; a cache smaller than one step's experts (top-k) works but reads more.
+    /// Where to compute: auto picks CUDA when an NVIDIA GPU is usable, else the CPU.
+    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
+    pub backend: BackendChoice,
+    /// Memory for routed experts (e.g. 512M, 4G; K/M/G are powers of 1024). On the CPU the default
+    /// is every expert if they fit in half the available memory, else half of it; on CUDA it is what
+    /// --gpu-memory leaves after the dense weights and the sessions. At least one expert record; a
+    /// cache smaller than one step's experts (top-k) works on the CPU but reads more.
     #[arg(long, value_name = "SIZE")]
     pub expert_cache: Option<String>,
+    /// CUDA: the whole device-memory budget (dense weights, two sessions of --max-context tokens,
+    /// scratch, and the expert cache, which gets the rest). Default: 90% of the free memory.
+    #[arg(long, value_name = "SIZE")]
+    pub gpu_memory: Option<String>,
+    /// CUDA: tokens of context reserved per session when sizing the expert cache.
+    #[arg(long, default_value_t = 8192, value_name = "N")]
+    pub max_context: usize,
     /// Threads issuing expert reads.
     #[arg(long, default_value_t = 4, value_name = "N")]
     pub io_threads: usize,
-    /// Compute threads (default: one per core).
+    /// Compute threads on the CPU (default: one per core).
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,
 }
@@ -32,33 +50,45 @@ fn mem_available() -> Option<u64> {
     Some(kb * 1024)
 }
 
-pub struct Loaded {
+pub struct LoadedAny {
     pub store: Arc<Store>,
-    pub model: CpuModel,
+    pub model: AnyModel,
 }
 
-/// Opens the store and builds the CPU backend with its expert pool. Prints the pool size to stderr.
-pub fn open_cpu(store_dir: &Path, args: &LoadArgs) -> Result<Loaded> {
+fn open_store(store_dir: &Path, args: &LoadArgs) -> Result<Arc<Store>> {
     if let Some(n) = args.threads {
         // Ignore the error if a pool exists already (tests run several commands in one process).
         let _ = rayon::ThreadPoolBuilder::new().num_threads(n.max(1)).build_global();
     }
-    let store = Arc::new(Store::open(store_dir)?);
+    Ok(Arc::new(Store::open(store_dir)?))
+}
+
+fn parse_budget(s: &str, flag: &str) -> Result<u64> {
+    parse_size(s).with_context(|| format!("{flag} {s}"))
+}
+
+fn check_one_record(bytes: u64, record: usize, flag: &str, s: &str, c: &TextConfig) -> Result<()> {
+    if bytes < record as u64 {
+        bail!(
+            "{flag} {s} is smaller than one expert record ({}); give at least that much, ideally enough for the \
+             experts of one step ({} x {})",
+            format_bytes(record as u64),
+            c.num_experts_per_tok,
+            format_bytes(record as u64)
+        );
+    }
+    Ok(())
+}
+
+/// The CPU backend with its expert pool. Prints the pool size to stderr.
+pub fn cpu_model(store: Arc<Store>, args: &LoadArgs) -> Result<CpuModel> {
     let ef = &store.manifest.experts;
     let record = store.record_bytes();
     let all = ef.records() as usize;
     let slots = match &args.expert_cache {
         Some(s) => {
-            let bytes = parse_size(s).with_context(|| format!("--expert-cache {s}"))?;
-            if bytes < record as u64 {
-                anyhow::bail!(
-                    "--expert-cache {s} is smaller than one expert record ({}); give at least that much, \
-                     ideally enough for the experts of one step ({} x {})",
-                    format_bytes(record as u64),
-                    store.config().num_experts_per_tok,
-                    format_bytes(record as u64)
-                );
-            }
+            let bytes = parse_budget(s, "--expert-cache")?;
+            check_one_record(bytes, record, "--expert-cache", s, store.config())?;
             slots_for_budget(bytes, record).min(all)
         }
         None => {
@@ -75,6 +105,122 @@ pub fn open_cpu(store_dir: &Path, args: &LoadArgs) -> Result<Loaded> {
         100.0 * slots as f64 / all as f64,
         format_bytes((all * record) as u64),
     );
-    let model = CpuModel::new(store.clone(), pool)?;
-    Ok(Loaded { store, model })
+    CpuModel::new(store, pool)
+}
+
+/// Device bytes one session needs at `tokens` of context.
+pub fn session_bytes(c: &TextConfig, tokens: usize) -> usize {
+    let per_attn = tokens * (2 * c.num_key_value_heads * c.head_dim + c.qsa.as_ref().map_or(0, |q| q.head_dim * 2));
+    let per_gdn = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+        + (c.linear_conv_kernel_dim - 1) * c.gdn_conv_dim();
+    let attn = c.layer_types.iter().filter(|t| **t == LayerType::Attention).count();
+    let ple = c.ple_layer_ids.len() * (c.ple_conv_kernel_size - 1) * c.ngram_size * c.hc_hidden();
+    4 * (attn * per_attn + (c.num_hidden_layers - attn) * per_gdn + ple)
+}
+
+/// The CUDA backend with its device expert pool sized from the budget. Prints the sizes to stderr.
+pub fn cuda_model(store: Arc<Store>, args: &LoadArgs) -> Result<CudaModel> {
+    let gpu = Gpu::new()?;
+    let (free, total) = gpu.mem_info()?;
+    let c = store.config().clone();
+    let record = store.record_bytes();
+    let all = store.manifest.experts.records() as usize;
+    let dense = store.dense_bytes().len();
+    // Two sessions (the server's default concurrency) at --max-context, plus scratch.
+    let scratch = 4 * (c.num_experts * (c.moe_intermediate_size + c.hidden_size) + c.vocab_size + 16 * c.hc_hidden())
+        + (64 << 20);
+    let reserve = 2 * session_bytes(&c, args.max_context) + scratch;
+    let budget = match &args.gpu_memory {
+        Some(s) => {
+            let b = parse_budget(s, "--gpu-memory")? as usize;
+            if b > total {
+                bail!(
+                    "--gpu-memory {s} ({}) exceeds the {}'s {} of memory",
+                    format_bytes(b as u64),
+                    gpu.info.name,
+                    format_bytes(total as u64)
+                );
+            }
+            b
+        }
+        None => free / 10 * 9,
+    };
+    let pool_bytes = match &args.expert_cache {
+        Some(s) => {
+            let b = parse_budget(s, "--expert-cache")?;
+            check_one_record(b, record, "--expert-cache", s, &c)?;
+            b as usize
+        }
+        None => {
+            let left = budget.saturating_sub(dense + reserve);
+            if left < record * c.num_experts_per_tok {
+                bail!(
+                    "the GPU budget of {} leaves no room for experts: dense weights take {}, two sessions of {} \
+                     tokens and scratch take {}, and one step's experts need {} more (on the {} with {} free of {})",
+                    format_bytes(budget as u64),
+                    format_bytes(dense as u64),
+                    args.max_context,
+                    format_bytes(reserve as u64),
+                    format_bytes((record * c.num_experts_per_tok) as u64),
+                    gpu.info.name,
+                    format_bytes(free as u64),
+                    format_bytes(total as u64)
+                );
+            }
+            left
+        }
+    };
+    if dense + pool_bytes.min(all * record) + reserve > free {
+        bail!(
+            "not enough GPU memory: dense weights {} + expert cache {} + sessions and scratch {} exceed the {} free \
+             on the {} ({} in all); lower --expert-cache or --max-context",
+            format_bytes(dense as u64),
+            format_bytes(pool_bytes.min(all * record) as u64),
+            format_bytes(reserve as u64),
+            format_bytes(free as u64),
+            gpu.info.name,
+            format_bytes(total as u64)
+        );
+    }
+    let slots = slots_for_budget(pool_bytes as u64, record).min(all).max(1);
+    let memory = Arc::new(DeviceSlots::new(gpu.clone(), slots, record)?);
+    let pool = Arc::new(ExpertPool::new(store.clone(), memory, args.io_threads.max(1))?);
+    eprintln!(
+        "cuda: {} ({} free of {}); dense {}; expert cache {slots} slots x {} = {} ({:.0}% of the {all} experts)",
+        gpu.info.name,
+        format_bytes(free as u64),
+        format_bytes(total as u64),
+        format_bytes(dense as u64),
+        format_bytes(record as u64),
+        format_bytes((slots * record) as u64),
+        100.0 * slots as f64 / all as f64,
+    );
+    CudaModel::new(store, gpu, pool)
+}
+
+/// Opens the store on the chosen backend.
+pub fn open_model(store_dir: &Path, args: &LoadArgs) -> Result<LoadedAny> {
+    let store = open_store(store_dir, args)?;
+    let model = match args.backend {
+        BackendChoice::Cpu => AnyModel::Cpu(Box::new(cpu_model(store.clone(), args)?)),
+        BackendChoice::Cuda => AnyModel::Cuda(Box::new(
+            cuda_model(store.clone(), args).context("--backend cuda (use --backend cpu to run on the CPU)")?,
+        )),
+        BackendChoice::Auto => {
+            if cherenkov_cuda::gpu::driver_present() && cherenkov_cuda::gpu::probe().is_ok() {
+                AnyModel::Cuda(Box::new(cuda_model(store.clone(), args)?))
+            } else {
+                AnyModel::Cpu(Box::new(cpu_model(store.clone(), args)?))
+            }
+        }
+    };
+    Ok(LoadedAny { store, model })
+}
+
+/// Both backends on one store (for --check).
+pub fn open_both(store_dir: &Path, args: &LoadArgs) -> Result<(Arc<Store>, CpuModel, CudaModel)> {
+    let store = open_store(store_dir, args)?;
+    let cuda = cuda_model(store.clone(), args).context("--check needs a usable GPU")?;
+    let cpu = cpu_model(store.clone(), &LoadArgs { expert_cache: None, ..args.clone() })?;
+    Ok((store, cpu, cuda))
 }

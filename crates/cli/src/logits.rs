@@ -9,7 +9,7 @@ use cherenkov_engine::backend::{Backend, Logits};
 use cherenkov_engine::tokenizer::Tokenizer;
 use cherenkov_registry::Registry;
 
-use crate::load::{LoadArgs, open_cpu};
+use crate::load::{LoadArgs, open_model};
 use crate::resolve::resolve_model;
 
 #[derive(clap::Args, Debug)]
@@ -68,7 +68,7 @@ pub fn write_npy(path: &std::path::Path, shape: &[usize], data: &[f32]) -> Resul
 pub fn run(args: &LogitsArgs, out: &mut dyn Write) -> Result<()> {
     let reg = Registry::open_default()?;
     let resolved = resolve_model(&reg, &args.model)?;
-    let loaded = open_cpu(&resolved.store, &args.load)?;
+    let loaded = open_model(&resolved.store, &args.load)?;
     let ids = match (&args.tokens, &args.text) {
         (Some(t), _) => parse_tokens(t)?,
         (None, Some(text)) => Tokenizer::from_dir(&loaded.store.dir)?.encode(text, false)?,

@@ -13,7 +13,7 @@ use cherenkov_engine::stats::PoolStats;
 use cherenkov_engine::tokenizer::Tokenizer;
 use cherenkov_registry::Registry;
 
-use crate::load::{LoadArgs, open_cpu};
+use crate::load::{LoadArgs, open_model};
 use crate::resolve::resolve_model;
 
 #[derive(clap::Args, Debug)]
@@ -36,6 +36,10 @@ pub struct RunArgs {
     /// Print the per-layer expert-cache table after the text.
     #[arg(long)]
     pub layers: bool,
+    /// Run the CPU reference beside CUDA on the same tokens and report the largest logit difference
+    /// per step; fail if one exceeds 2e-3 of the reference's largest logit.
+    #[arg(long)]
+    pub check: bool,
     #[command(flatten)]
     pub load: LoadArgs,
 }
@@ -130,7 +134,10 @@ pub fn prompt_tokens(
 pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
     let reg = Registry::open_default()?;
     let resolved = resolve_model(&reg, &args.model)?;
-    let loaded = open_cpu(&resolved.store, &args.load)?;
+    if args.check {
+        return crate::check::run(&resolved.store, args, out);
+    }
+    let loaded = open_model(&resolved.store, &args.load)?;
     let dir = &loaded.store.dir;
     let tok = Tokenizer::from_dir(dir)?;
     let ids = prompt_tokens(dir, &tok, args.system.as_deref(), &args.prompt, args.raw)?;
@@ -144,6 +151,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
     opts.sampling.validate()?;
     let model = &loaded.model;
     let mut session = model.new_session();
+    eprintln!("backend: {}", model.name());
     let before = model.pool_stats();
     let mut write_err = None;
     let generation = generate(model, &mut session, &ids, &tok, &opts, &mut |text| {

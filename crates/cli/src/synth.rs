@@ -10,12 +10,15 @@ use indicatif::HumanBytes;
 
 use crate::progress::bytes_bar;
 
-#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Preset {
     /// About 3.5 MB: 2 layers, 6 experts top-2, hidden 192 (the golden fixtures' proportions).
     Tiny,
     /// About 50 MB: 4 layers, 16 experts top-4, hidden 256.
     Demo,
+    /// The released Qwen3.8-Flash-Next shape (48 layers, 512 experts: about 250 GB in BF16); use
+    /// --layers, --experts and --ngram-base to make it fit.
+    Flash,
 }
 
 #[derive(clap::Args, Debug)]
@@ -23,10 +26,11 @@ pub enum Preset {
 pub struct SynthArgs {
     /// Directory to write; it must not exist or be empty.
     pub out: PathBuf,
-    /// A ready-made shape. Giving any of --hidden, --layers, --experts, --top-k,
-    /// --moe-intermediate, --vocab or --ngram-base builds a scaled shape instead.
-    #[arg(long, value_enum, default_value_t = Preset::Demo, conflicts_with = "dims")]
-    pub preset: Preset,
+    /// A ready-made shape (default: demo). Without a preset, --hidden, --layers, --experts, --top-k,
+    /// --moe-intermediate, --vocab or --ngram-base build a scaled shape; with `flash` (the released
+    /// Qwen3.8-Flash-Next shape) they change those dimensions of it; `tiny` and `demo` take none.
+    #[arg(long, value_enum)]
+    pub preset: Option<Preset>,
     /// Hidden size of the scaled shape [default: 1024].
     #[arg(long, group = "dims")]
     pub hidden: Option<usize>,
@@ -60,7 +64,7 @@ pub struct SynthArgs {
 }
 
 impl SynthArgs {
-    fn shape(&self) -> SynthShape {
+    fn shape(&self) -> Result<SynthShape> {
         let any_dims = self.hidden.is_some()
             || self.layers.is_some()
             || self.experts.is_some()
@@ -68,14 +72,33 @@ impl SynthArgs {
             || self.moe_intermediate.is_some()
             || self.vocab.is_some()
             || self.ngram_base.is_some();
+        if matches!(self.preset, Some(Preset::Tiny | Preset::Demo)) && any_dims {
+            anyhow::bail!(
+                "--preset {} has fixed dimensions; give either a preset or dimensions (or --preset flash with dimensions)",
+                if self.preset == Some(Preset::Tiny) { "tiny" } else { "demo" }
+            );
+        }
+        if let Some(Preset::Flash) = self.preset {
+            let f = SynthShape::flash();
+            return Ok(SynthShape {
+                hidden_size: self.hidden.unwrap_or(f.hidden_size),
+                num_hidden_layers: self.layers.unwrap_or(f.num_hidden_layers),
+                num_experts: self.experts.unwrap_or(f.num_experts),
+                num_experts_per_tok: self.top_k.unwrap_or(f.num_experts_per_tok),
+                moe_intermediate_size: self.moe_intermediate.unwrap_or(f.moe_intermediate_size),
+                vocab_size: self.vocab.unwrap_or(f.vocab_size),
+                ngram_vocab_size_base: self.ngram_base.unwrap_or(f.ngram_vocab_size_base),
+                ..f
+            });
+        }
         if !any_dims {
-            return match self.preset {
-                Preset::Tiny => SynthShape::tiny(),
-                Preset::Demo => SynthShape::demo(),
-            };
+            return Ok(match self.preset {
+                Some(Preset::Tiny) => SynthShape::tiny(),
+                _ => SynthShape::demo(),
+            });
         }
         let d = SynthDims::default();
-        SynthShape::from_dims(&SynthDims {
+        Ok(SynthShape::from_dims(&SynthDims {
             hidden_size: self.hidden.unwrap_or(d.hidden_size),
             num_hidden_layers: self.layers.unwrap_or(d.num_hidden_layers),
             num_experts: self.experts.unwrap_or(d.num_experts),
@@ -83,14 +106,14 @@ impl SynthArgs {
             moe_intermediate_size: self.moe_intermediate.unwrap_or(d.moe_intermediate_size),
             vocab_size: self.vocab.unwrap_or(d.vocab_size),
             ngram_vocab_size_base: self.ngram_base.unwrap_or(d.ngram_vocab_size_base),
-        })
+        }))
     }
 }
 
 pub fn run(args: &SynthArgs, out: &mut dyn Write) -> Result<()> {
     let opts = SynthOptions { seed: args.seed, router_gain: args.router_gain, max_shard_bytes: args.shard_mib << 20 };
     let bar = bytes_bar("writing");
-    let s = write_checkpoint(&args.shape(), &opts, &args.out, &bar)?;
+    let s = write_checkpoint(&args.shape()?, &opts, &args.out, &bar)?;
     bar.finish_and_clear();
     writeln!(
         out,

@@ -108,6 +108,6 @@ fn synth_checkpoints_prepare_and_verify() {
     assert!(err.contains("is not empty"), "{err}");
     let err = home.fails(&["synth", home.scratch("v").to_str().unwrap(), "--vocab", "100"]);
     assert!(err.contains("vocab_size 100 is smaller than the bundled tokenizer's 500 tokens"), "{err}");
-    let o = home.run(&["synth", home.scratch("w").to_str().unwrap(), "--preset", "tiny", "--hidden", "64"]);
-    assert_eq!(o.status.code(), Some(2), "a preset and explicit dimensions conflict");
+    let err = home.fails(&["synth", home.scratch("w").to_str().unwrap(), "--preset", "tiny", "--hidden", "64"]);
+    assert!(err.contains("fixed dimensions"), "a preset and explicit dimensions conflict: {err}");
 }

@@ -135,6 +135,43 @@ impl SynthShape {
         }
     }
 
+    /// The released Qwen3.8-Flash-Next shape (MODEL.md): hidden 2560, 48 layers (every 4th QSA
+    /// attention), vocab 248320, 24 query heads and 2 KV heads of 256, GDN 16 key / 48 value heads of
+    /// 128, 512 experts top-10 of width 640 plus a shared expert of 640, 4 streams with a rank-320
+    /// mixer, PLE on layer 1 with 16 n-gram heads of 160 columns, an MTP layer. The QSA indexer's
+    /// sizes are not in MODEL.md; 16 heads of 128, a 2048-token budget and blocks of 64 are assumed.
+    /// Change `num_hidden_layers`, `num_experts` or the n-gram base to fit a disk.
+    pub fn flash() -> SynthShape {
+        SynthShape {
+            vocab_size: 248_320,
+            hidden_size: 2560,
+            num_hidden_layers: 48,
+            full_attention_interval: 4,
+            num_attention_heads: 24,
+            num_key_value_heads: 2,
+            head_dim: 256,
+            linear_num_key_heads: 16,
+            linear_num_value_heads: 48,
+            linear_key_head_dim: 128,
+            linear_value_head_dim: 128,
+            num_experts: 512,
+            num_experts_per_tok: 10,
+            moe_intermediate_size: 640,
+            shared_expert_intermediate_size: 640,
+            hc_lowrank: 320,
+            ple_layer_ids: vec![1],
+            ple_embed_dim: 2560,
+            heads_per_ngram: 8,
+            ngram_vocab_size_base: 20_000_000,
+            split_ngram_parts: 64,
+            indexer_n_heads: 16,
+            indexer_head_dim: 128,
+            indexer_budget: 2048,
+            indexer_compress_ratio: 64,
+            mtp_layers: 1,
+        }
+    }
+
     /// A model scaled from headline dimensions (for benchmarks), with the released model's
     /// proportions elsewhere: every 4th layer attention, PLE on the first layer, 16 n-gram heads of
     /// 32 columns, an MTP layer, shared expert as wide as a routed one.

@@ -1,0 +1,93 @@
+//! Choosing a backend: `--backend auto|cuda|cpu`, and one type that is either.
+
+use anyhow::Result;
+use cherenkov_cpu::{CpuModel, CpuSession};
+use cherenkov_cuda::CudaModel;
+use cherenkov_cuda::session::CudaSession;
+use cherenkov_engine::backend::{Backend, Logits};
+use cherenkov_engine::stats::PoolStats;
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum BackendChoice {
+    /// CUDA when an NVIDIA GPU is usable, otherwise the CPU.
+    #[default]
+    Auto,
+    /// The GPU (fails clearly without one).
+    Cuda,
+    /// The CPU reference path.
+    Cpu,
+}
+
+/// The model on the backend it was opened on.
+pub enum AnyModel {
+    Cpu(Box<CpuModel>),
+    Cuda(Box<CudaModel>),
+}
+
+pub enum AnySession {
+    Cpu(CpuSession),
+    Cuda(CudaSession),
+}
+
+impl Clone for AnySession {
+    fn clone(&self) -> AnySession {
+        match self {
+            AnySession::Cpu(s) => AnySession::Cpu(s.clone()),
+            AnySession::Cuda(s) => AnySession::Cuda(s.clone()),
+        }
+    }
+}
+
+impl Backend for AnyModel {
+    type Session = AnySession;
+
+    fn name(&self) -> &'static str {
+        match self {
+            AnyModel::Cpu(m) => m.name(),
+            AnyModel::Cuda(m) => m.name(),
+        }
+    }
+
+    fn new_session(&self) -> AnySession {
+        match self {
+            AnyModel::Cpu(m) => AnySession::Cpu(Backend::new_session(&**m)),
+            AnyModel::Cuda(m) => AnySession::Cuda(Backend::new_session(&**m)),
+        }
+    }
+
+    fn session_len(&self, s: &AnySession) -> usize {
+        match s {
+            AnySession::Cpu(s) => s.pos,
+            AnySession::Cuda(s) => s.pos,
+        }
+    }
+
+    fn session_bytes(&self, s: &AnySession) -> Option<usize> {
+        match s {
+            AnySession::Cpu(s) => Some(s.bytes()),
+            AnySession::Cuda(s) => Some(s.bytes()),
+        }
+    }
+
+    fn forward(&self, s: &mut AnySession, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {
+        match (self, s) {
+            (AnyModel::Cpu(m), AnySession::Cpu(s)) => m.forward(s, tokens, which),
+            (AnyModel::Cuda(m), AnySession::Cuda(s)) => m.forward_tokens(s, tokens, which),
+            _ => anyhow::bail!("a session of one backend was given to another"),
+        }
+    }
+
+    fn vocab_size(&self) -> usize {
+        match self {
+            AnyModel::Cpu(m) => m.config().vocab_size,
+            AnyModel::Cuda(m) => m.config().vocab_size,
+        }
+    }
+
+    fn pool_stats(&self) -> PoolStats {
+        match self {
+            AnyModel::Cpu(m) => m.pool.stats(),
+            AnyModel::Cuda(m) => m.pool.stats(),
+        }
+    }
+}

@@ -1,0 +1,276 @@
+//! The device: probe, context, the compiled module, memory and launches.
+//!
+//! Thin on purpose: raw device pointers (`u64`) are what kernels take and what the expert address
+//! table holds, so buffers are plain allocations with an owner ([`DevBuf`]) and launches pass
+//! arguments by value ([`Arg`]). All work goes on one compute stream in issue order.
+
+use std::collections::HashMap;
+use std::ffi::{CString, c_void};
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use cudarc::driver::CudaContext;
+use cudarc::driver::result as cu;
+use cudarc::driver::sys;
+
+use crate::compile;
+
+/// What the device is.
+#[derive(Clone, Debug)]
+pub struct GpuInfo {
+    pub name: String,
+    pub total_bytes: usize,
+    pub free_bytes: usize,
+    pub compute_capability: (i32, i32),
+}
+
+/// Whether the NVIDIA driver library can be loaded (checked before cudarc touches it: a missing
+/// library would otherwise end the process).
+pub fn driver_present() -> bool {
+    // SAFETY: loading libcuda runs its initialisers only; it is unloaded at once.
+    unsafe { libloading::Library::new("libcuda.so.1") }.is_ok()
+}
+
+/// Describes GPU 0, or says why there is none.
+pub fn probe() -> Result<GpuInfo> {
+    if !driver_present() {
+        bail!("no NVIDIA driver found (libcuda.so.1 cannot be loaded): this machine has no usable GPU");
+    }
+    cu::init().map_err(|e| anyhow::anyhow!("the CUDA driver failed to initialise: {e}"))?;
+    let n = cu::device::get_count().map_err(|e| anyhow::anyhow!("cannot count CUDA devices: {e}"))?;
+    if n == 0 {
+        bail!("the NVIDIA driver reports no CUDA device");
+    }
+    let ctx = CudaContext::new(0).map_err(|e| anyhow::anyhow!("cannot create a context on GPU 0: {e}"))?;
+    let (free, total) = cu::mem_get_info().map_err(|e| anyhow::anyhow!("cannot read GPU memory: {e}"))?;
+    Ok(GpuInfo {
+        name: ctx.name().unwrap_or_else(|_| "unknown GPU".into()),
+        total_bytes: total,
+        free_bytes: free,
+        compute_capability: ctx.compute_capability().map_err(|e| anyhow::anyhow!("{e}"))?,
+    })
+}
+
+fn gib(b: usize) -> String {
+    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+/// A device allocation; freed on drop.
+pub struct DevBuf {
+    pub ptr: u64,
+    pub bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl DevBuf {
+    /// Address `off` bytes in.
+    pub fn at(&self, off: usize) -> u64 {
+        self.ptr + off as u64
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        if self.ptr != 0 {
+            let _ = self.ctx.bind_to_thread();
+            // SAFETY: ptr came from cuMemAlloc in this context and is freed once.
+            unsafe {
+                let _ = cu::free_sync(self.ptr);
+            }
+        }
+    }
+}
+
+/// A kernel argument, passed by value.
+#[derive(Clone, Copy, Debug)]
+pub enum Arg {
+    Ptr(u64),
+    U64(u64),
+    I32(i32),
+    F32(f32),
+}
+
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: sys::CUstream,
+    pub info: GpuInfo,
+    funcs: HashMap<&'static str, sys::CUfunction>,
+    _module: sys::CUmodule,
+}
+
+// SAFETY: the raw handles are only used with the context bound; the driver API is thread-safe.
+unsafe impl Send for Gpu {}
+unsafe impl Sync for Gpu {}
+
+impl Gpu {
+    /// Opens GPU 0 and compiles the kernels for it.
+    pub fn new() -> Result<Arc<Gpu>> {
+        let info = probe()?;
+        let ctx = CudaContext::new(0).map_err(|e| anyhow::anyhow!("cannot create a context on GPU 0: {e}"))?;
+        let (maj, min) = info.compute_capability;
+        let ptx = compile::compile(compile::arch_name(maj, min)?)?;
+        let cptx = CString::new(ptx).context("PTX holds a NUL byte")?;
+        // SAFETY: cptx is a NUL-terminated PTX image that outlives the call.
+        let module = unsafe { cu::module::load_data(cptx.as_ptr() as *const c_void) }
+            .map_err(|e| anyhow::anyhow!("the driver cannot load the compiled kernels: {e}"))?;
+        let mut funcs = HashMap::new();
+        for &k in compile::KERNELS {
+            let name = CString::new(k).unwrap();
+            // SAFETY: module is loaded; name is NUL-terminated.
+            let f = unsafe { cu::module::get_function(module, name) }
+                .map_err(|e| anyhow::anyhow!("kernel {k} missing from the module: {e}"))?;
+            funcs.insert(k, f);
+        }
+        let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
+            .map_err(|e| anyhow::anyhow!("cannot create a CUDA stream: {e}"))?;
+        Ok(Arc::new(Gpu { ctx, stream, info, funcs, _module: module }))
+    }
+
+    pub fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(|e| anyhow::anyhow!("cannot bind the CUDA context: {e}"))
+    }
+
+    /// Free and total device memory now.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        self.bind()?;
+        cu::mem_get_info().map_err(|e| anyhow::anyhow!("cannot read GPU memory: {e}"))
+    }
+
+    /// Allocates `bytes` (at least 1); an out-of-memory error names the sizes.
+    pub fn alloc(&self, bytes: usize, what: &str) -> Result<DevBuf> {
+        self.bind()?;
+        // SAFETY: plain allocation in the bound context.
+        match unsafe { cu::malloc_sync(bytes.max(1)) } {
+            Ok(ptr) => Ok(DevBuf { ptr, bytes, ctx: self.ctx.clone() }),
+            Err(e) => {
+                let (free, total) = cu::mem_get_info().unwrap_or((0, 0));
+                bail!(
+                    "cannot allocate {} for {what} on the GPU ({} free of {}): {e}",
+                    gib(bytes),
+                    gib(free),
+                    gib(total)
+                )
+            }
+        }
+    }
+
+    /// Allocates and zeroes.
+    pub fn zeros(&self, bytes: usize, what: &str) -> Result<DevBuf> {
+        let b = self.alloc(bytes, what)?;
+        // SAFETY: b is a live allocation of `bytes` bytes.
+        unsafe { cu::memset_d8_sync(b.ptr, 0, bytes.max(1)) }.map_err(|e| anyhow::anyhow!("memset failed: {e}"))?;
+        Ok(b)
+    }
+
+    /// Copies host bytes to the device (ordered on the compute stream; waits for the copy).
+    pub fn htod<T: Copy>(&self, dst: u64, src: &[T]) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: dst has room for src (callers size buffers from the same numbers); synchronous.
+        unsafe {
+            cu::memcpy_htod_async(dst, src, self.stream)
+                .map_err(|e| anyhow::anyhow!("host-to-device copy failed: {e}"))?;
+        }
+        self.sync()
+    }
+
+    /// Copies device memory to the host, after the work queued before it.
+    pub fn dtoh<T: Copy>(&self, src: u64, dst: &mut [T]) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: src holds dst.len() elements; the stream is synchronised before dst is read.
+        unsafe {
+            cu::memcpy_dtoh_async(dst, src, self.stream)
+                .map_err(|e| anyhow::anyhow!("device-to-host copy failed: {e}"))?;
+        }
+        self.sync()
+    }
+
+    /// Device-to-device copy on the compute stream.
+    pub fn dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: both ranges are live allocations of at least `bytes`.
+        unsafe { cu::memcpy_dtod_async(dst, src, bytes, self.stream) }
+            .map_err(|e| anyhow::anyhow!("device-to-device copy failed: {e}"))
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        // SAFETY: the stream belongs to this context.
+        unsafe { cu::stream::synchronize(self.stream) }.map_err(|e| anyhow::anyhow!("a CUDA kernel failed: {e}"))
+    }
+
+    /// Launches kernel `name` on the compute stream.
+    pub fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, shmem: u32, args: &[Arg]) -> Result<()> {
+        let f = *self.funcs.get(name).with_context(|| format!("no kernel named {name}"))?;
+        let mut vals: Vec<[u8; 8]> = args
+            .iter()
+            .map(|a| {
+                let mut v = [0u8; 8];
+                match *a {
+                    Arg::Ptr(p) | Arg::U64(p) => v.copy_from_slice(&p.to_ne_bytes()),
+                    Arg::I32(i) => v[..4].copy_from_slice(&i.to_ne_bytes()),
+                    Arg::F32(x) => v[..4].copy_from_slice(&x.to_ne_bytes()),
+                }
+                v
+            })
+            .collect();
+        let mut ptrs: Vec<*mut c_void> = vals.iter_mut().map(|v| v.as_mut_ptr() as *mut c_void).collect();
+        // SAFETY: f is a kernel of the loaded module; every argument is passed by value with the
+        // size the kernel declares (8 bytes for pointers/u64, 4 for int/float; the kernel reads only
+        // the first 4 bytes of those).
+        unsafe { cu::launch_kernel(f, grid, (block, 1, 1), shmem, self.stream, &mut ptrs) }
+            .map_err(|e| anyhow::anyhow!("launch of {name} failed: {e}"))
+    }
+}
+
+/// Blocks of `threads` needed for `n` items.
+pub fn blocks(n: usize, threads: usize) -> u32 {
+    n.div_ceil(threads).max(1) as u32
+}
+
+/// Measured copy bandwidths, bytes per second: device memory (bytes read plus bytes written by a
+/// large device-to-device copy) and pinned host to device.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Bandwidth {
+    pub device: f64,
+    pub host_to_device: f64,
+}
+
+/// Measures [`Bandwidth`] with `bytes`-sized buffers (median of several copies after a warm-up).
+pub fn measure_bandwidth(gpu: &Gpu, bytes: usize) -> Result<Bandwidth> {
+    let a = gpu.alloc(bytes, "the bandwidth test")?;
+    let b = gpu.alloc(bytes, "the bandwidth test")?;
+    gpu.bind()?;
+    let time = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
+        f()?;
+        gpu.sync()?;
+        let mut v = Vec::new();
+        for _ in 0..7 {
+            let t = std::time::Instant::now();
+            f()?;
+            gpu.sync()?;
+            v.push(t.elapsed().as_secs_f64());
+        }
+        v.sort_by(|x, y| x.total_cmp(y));
+        Ok(v[v.len() / 2])
+    };
+    let d = time(&|| gpu.dtod(b.ptr, a.ptr, bytes))?;
+    // SAFETY: a plain pinned allocation of `bytes`, freed below.
+    let host = unsafe { cu::malloc_host(bytes, 0) }.map_err(|e| anyhow::anyhow!("cannot pin {bytes} bytes: {e}"))?;
+    let h = time(&|| {
+        // SAFETY: host holds `bytes` pinned bytes; a holds `bytes`; the copy is waited for.
+        let src = unsafe { std::slice::from_raw_parts(host as *const u8, bytes) };
+        unsafe { cu::memcpy_htod_async(a.ptr, src, gpu.stream) }.map_err(|e| anyhow::anyhow!("copy failed: {e}"))
+    });
+    // SAFETY: allocated above, freed once.
+    unsafe {
+        let _ = cu::free_host(host);
+    }
+    Ok(Bandwidth { device: 2.0 * bytes as f64 / d, host_to_device: bytes as f64 / h? })
+}

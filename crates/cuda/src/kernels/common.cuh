@@ -1,0 +1,119 @@
+// Shared helpers for Cherenkov's CUDA kernels. Compiled at run time by NVRTC, without any header:
+// the types and conversions below are spelled out so no CUDA include path is needed.
+
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+// Address-table entries carry the record's precision in their top bits (bit 63: Q3 record,
+// bit 62: Q2 record); kernels mask them off before dereferencing.
+#define TAG_MASK (3ull << 62)
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float bf16f(u16 b) { return __uint_as_float(((u32)b) << 16); }
+
+__device__ __forceinline__ float f16f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float siluf_(float x) { return x * sigmoidf_(x); }
+__device__ __forceinline__ float softplusf_(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024). `scratch` holds 32 floats.
+__device__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    const int nw = (blockDim.x + 31) >> 5;
+    v = (threadIdx.x < nw) ? scratch[threadIdx.x] : 0.0f;
+    if (warp == 0) v = warp_sum(v);
+    if (threadIdx.x == 0) scratch[0] = v;
+    __syncthreads();
+    const float r = scratch[0];
+    __syncthreads();
+    return r;
+}
+
+__device__ float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    const int nw = (blockDim.x + 31) >> 5;
+    v = (threadIdx.x < nw) ? scratch[threadIdx.x] : NEG_INF;
+    if (warp == 0) v = warp_max(v);
+    if (threadIdx.x == 0) scratch[0] = v;
+    __syncthreads();
+    const float r = scratch[0];
+    __syncthreads();
+    return r;
+}
+
+// Code j of a packed affine row (LSB-first bit stream of u32 words), any width.
+__device__ __forceinline__ u32 get_code(const u32* w, int j, int bits) {
+    const int bit = j * bits, wi = bit >> 5, sh = bit & 31;
+    u32 v = w[wi] >> sh;
+    if (sh + bits > 32) v |= w[wi + 1] << (32 - sh);
+    return v & ((1u << bits) - 1u);
+}
+
+// The 32 codes held by BITS consecutive words (a chunk; a group of 32, 64 or 128 codes is 1, 2 or 4
+// chunks, so a chunk never straddles a group).
+template <int BITS>
+__device__ __forceinline__ void unpack32(const u32* __restrict__ w, float* q) {
+    u32 r[BITS];
+#pragma unroll
+    for (int i = 0; i < BITS; i++) r[i] = w[i];
+#pragma unroll
+    for (int k = 0; k < 32; k++) {
+        const int bit = k * BITS, wi = bit >> 5, sh = bit & 31;
+        u32 v = r[wi] >> sh;
+        if (sh + BITS > 32) v |= r[wi + 1] << (32 - sh);
+        q[k] = (float)(v & ((1u << BITS) - 1u));
+    }
+}
+
+// Warp-cooperative dot product of affine row (words/scales/biases) with x (cols floats).
+// Per chunk of 32 codes: scale * sum(q x) + bias * sum(x). The result is in every lane.
+template <int BITS>
+__device__ __forceinline__ float affine_row_dot(const u32* __restrict__ words, const u16* __restrict__ scales,
+                                                const u16* __restrict__ biases, const float* __restrict__ x, int cols,
+                                                int gs) {
+    const int lane = threadIdx.x & 31;
+    const int chunks = cols >> 5;
+    float acc = 0.0f;
+    for (int c = lane; c < chunks; c += 32) {
+        float q[32];
+        unpack32<BITS>(words + c * BITS, q);
+        const float* xc = x + c * 32;
+        float sq = 0.0f, sx = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 32; k++) {
+            const float xv = xc[k];
+            sq += q[k] * xv;
+            sx += xv;
+        }
+        const int g = (c * 32) / gs;
+        acc += bf16f(scales[g]) * sq + bf16f(biases[g]) * sx;
+    }
+    return warp_sum(acc);
+}

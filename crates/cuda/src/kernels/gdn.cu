@@ -1,0 +1,86 @@
+// Gated DeltaNet, one token: causal conv, q/k normalisation, the delta-rule recurrence with the
+// f32 state kept on the device, and the gated output norm. transformers' state layout: per value
+// head S[key_dim][value_dim].
+
+// Causal depthwise conv over [state (K-1 rows, oldest first), x] with silu; shifts the state.
+// One thread per channel.
+extern "C" __global__ void gdn_conv(const float* x, float* state, const float* w, float* out, int C, int K) {
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= C) return;
+    const float* wk = w + (size_t)ch * K;
+    float acc = 0.0f;
+    for (int k = 0; k < K - 1; k++) acc += wk[k] * state[(size_t)k * C + ch];
+    acc += wk[K - 1] * x[ch];
+    for (int k = 0; k + 1 < K - 1; k++) state[(size_t)k * C + ch] = state[(size_t)(k + 1) * C + ch];
+    if (K > 1) state[(size_t)(K - 2) * C + ch] = x[ch];
+    out[ch] = siluf_(acc);
+}
+
+// L2-normalise each head of q and k in place (blocks 0..nk-1: q heads, nk..2nk-1: k heads); q is
+// also scaled by dk^-1/2. `qkv` is the conv output [q (nk*dk) | k (nk*dk) | v].
+extern "C" __global__ void gdn_qk_norm(float* qkv, int nk, int dk) {
+    __shared__ float scratch[32];
+    const int head = blockIdx.x;
+    float* h = qkv + (size_t)head * dk;
+    float ss = 0.0f;
+    for (int j = threadIdx.x; j < dk; j += blockDim.x) ss += h[j] * h[j];
+    ss = block_sum(ss, scratch);
+    float inv = rsqrtf(ss + 1e-6f);
+    if (head < nk) inv *= rsqrtf((float)dk);
+    for (int j = threadIdx.x; j < dk; j += blockDim.x) h[j] *= inv;
+}
+
+// The recurrence for one token; one block per value head, one thread per value lane (blockDim = dv).
+//   S *= exp(g); delta = beta (v - S^T k); S += k delta^T; y = S^T q
+// with beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias).
+extern "C" __global__ void gdn_recurrent(const float* qkv, const float* a, const float* b, const float* A_log,
+                                         const float* dt_bias, float* S, float* out, int nk, int nv, int dk, int dv) {
+    extern __shared__ float sh[];  // q then k of this head's key head: 2 * dk floats
+    const int hv = blockIdx.x;
+    const int hk = hv / (nv / nk);
+    const float* q = qkv + (size_t)hk * dk;
+    const float* k = qkv + (size_t)(nk + hk) * dk;
+    const float* v = qkv + (size_t)2 * nk * dk + (size_t)hv * dv;
+    float* sq = sh;
+    float* sk = sh + dk;
+    for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+        sq[i] = q[i];
+        sk[i] = k[i];
+    }
+    __syncthreads();
+    const float beta = sigmoidf_(b[hv]);
+    const float g = -expf(A_log[hv]) * softplusf_(a[hv] + dt_bias[hv]);
+    const float decay = expf(g);
+    float* s = S + (size_t)hv * dk * dv;
+    for (int j = threadIdx.x; j < dv; j += blockDim.x) {
+        float kv = 0.0f;
+        for (int i = 0; i < dk; i++) {
+            const float x = s[(size_t)i * dv + j] * decay;
+            s[(size_t)i * dv + j] = x;
+            kv += x * sk[i];
+        }
+        const float delta = (v[j] - kv) * beta;
+        float y = 0.0f;
+        for (int i = 0; i < dk; i++) {
+            const float x = s[(size_t)i * dv + j] + sk[i] * delta;
+            s[(size_t)i * dv + j] = x;
+            y += x * sq[i];
+        }
+        out[(size_t)hv * dv + j] = y;
+    }
+}
+
+// Gated RMSNorm per value head (one block each): o = w * (o / rms(o)) * act(z); act 0 = sigmoid, 1 = silu.
+extern "C" __global__ void gdn_out_norm(float* o, const float* z, const float* w, int dv, float eps, int act) {
+    __shared__ float scratch[32];
+    float* h = o + (size_t)blockIdx.x * dv;
+    const float* zh = z + (size_t)blockIdx.x * dv;
+    float ss = 0.0f;
+    for (int j = threadIdx.x; j < dv; j += blockDim.x) ss += h[j] * h[j];
+    ss = block_sum(ss, scratch);
+    const float inv = rsqrtf(ss / (float)dv + eps);
+    for (int j = threadIdx.x; j < dv; j += blockDim.x) {
+        const float gate = act == 0 ? sigmoidf_(zh[j]) : siluf_(zh[j]);
+        h[j] = w[j] * (h[j] * inv) * gate;
+    }
+}

@@ -1,0 +1,76 @@
+// Norms, elementwise steps and the hyper-connection read/inject.
+
+// Zero-centred RMSNorm: y = x / rms(x) * (1 + w) over groups of `group` elements; one block per
+// group. The weight has `wlen` elements and repeats (wlen == group for per-head norms, or the whole
+// row for per-stream norms).
+extern "C" __global__ void rmsnorm_zc(const float* x, const float* w, float* y, int group, int wlen, float eps) {
+    __shared__ float scratch[32];
+    const float* xg = x + (size_t)blockIdx.x * group;
+    float* yg = y + (size_t)blockIdx.x * group;
+    float ss = 0.0f;
+    for (int j = threadIdx.x; j < group; j += blockDim.x) ss += xg[j] * xg[j];
+    ss = block_sum(ss, scratch);
+    const float inv = rsqrtf(ss / (float)group + eps);
+    const int w0 = (int)(((size_t)blockIdx.x * group) % wlen);
+    for (int j = threadIdx.x; j < group; j += blockDim.x) yg[j] = xg[j] * inv * (1.0f + w[(w0 + j) % wlen]);
+}
+
+// y = silu(x * scale), in place.
+extern "C" __global__ void scale_silu(float* x, int n, float scale) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = siluf_(x[i] * scale);
+}
+
+// Hyper-connection input: out[j] = mean over streams s of sigmoid(mix[s*H+j]) * normed[s*H+j].
+extern "C" __global__ void hc_mix(const float* mix, const float* normed, float* out, int hc, int H) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= H) return;
+    float acc = 0.0f;
+    for (int s = 0; s < hc; s++) acc += sigmoidf_(mix[s * H + j]) * normed[s * H + j];
+    out[j] = acc / (float)hc;
+}
+
+// Injection: x[s*H+j] += 2 sigmoid(inj[s] / hc) * out[j].
+extern "C" __global__ void hc_inject(float* x, const float* inj, const float* out, int hc, int H) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= hc * H) return;
+    const int s = i / H, j = i - s * H;
+    x[i] += 2.0f * sigmoidf_(inj[s] / (float)hc) * out[j];
+}
+
+// y = silu(gate) * up, in place into gate.
+extern "C" __global__ void silu_mul(float* gate, const float* up, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) gate[i] = siluf_(gate[i]) * up[i];
+}
+
+// x[i] *= sigmoid(g[i]).
+extern "C" __global__ void mul_sigmoid(float* x, const float* g, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= sigmoidf_(g[i]);
+}
+
+// RoPE (rotate-half on the first rd elements) of `heads` vectors of length d at position pos.
+__device__ __forceinline__ void rope_apply(float* v, const float* inv_freq, int rd, int pos) {
+    const int half = rd / 2;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        const float f = (float)pos * inv_freq[i];
+        const float c = cosf(f), s = sinf(f);
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c - b * s;
+        v[i + half] = b * c + a * s;
+    }
+}
+
+// Per head (one block each): zero-centred RMSNorm with weight w (length d), then RoPE at pos.
+extern "C" __global__ void norm_rope(float* v, const float* w, int d, float eps, const float* inv_freq, int rd, int pos) {
+    __shared__ float scratch[32];
+    float* h = v + (size_t)blockIdx.x * d;
+    float ss = 0.0f;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) ss += h[j] * h[j];
+    ss = block_sum(ss, scratch);
+    const float inv = rsqrtf(ss / (float)d + eps);
+    for (int j = threadIdx.x; j < d; j += blockDim.x) h[j] = h[j] * inv * (1.0f + w[j]);
+    __syncthreads();
+    rope_apply(h, inv_freq, rd, pos);
+}

@@ -1,0 +1,108 @@
+//! Device expert slots: the residency manager's [`SlotMemory`] in GPU memory.
+//!
+//! One device allocation of `slots x record_bytes`. An IO thread reads a record into a pinned host
+//! staging buffer (positioned read, checksum checked by the store) and copies it into its slot on
+//! its own stream, waiting for the copy before it reports the slot loaded; the pool never loads a
+//! slot that a step is using, so kernels never see a half-written record.
+
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use anyhow::{Result, anyhow};
+use cherenkov_engine::residency::SlotMemory;
+use cudarc::driver::result as cu;
+use cudarc::driver::sys;
+
+use crate::gpu::{DevBuf, Gpu};
+
+/// A page-locked host buffer (so the copy engine can read it directly).
+struct Pinned {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is owned and used by one IO thread at a time (taken from and returned to a pool).
+unsafe impl Send for Pinned {}
+
+pub struct DeviceSlots {
+    gpu: Arc<Gpu>,
+    buf: DevBuf,
+    slot_count: usize,
+    record_bytes: usize,
+    /// Staging buffers and copy streams, one pair per concurrent load.
+    staging: Mutex<Vec<(Pinned, sys::CUstream)>>,
+}
+
+// SAFETY: raw handles are used with the context bound; the pool serialises loads per slot.
+unsafe impl Send for DeviceSlots {}
+unsafe impl Sync for DeviceSlots {}
+
+impl DeviceSlots {
+    pub fn new(gpu: Arc<Gpu>, slot_count: usize, record_bytes: usize) -> Result<DeviceSlots> {
+        let buf = gpu.alloc(slot_count * record_bytes, &format!("the expert cache ({slot_count} slots)"))?;
+        Ok(DeviceSlots { gpu, buf, slot_count, record_bytes, staging: Mutex::new(Vec::new()) })
+    }
+
+    /// Device address of a slot's record.
+    pub fn slot_ptr(&self, slot: usize) -> u64 {
+        self.buf.at(slot * self.record_bytes)
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.buf.bytes
+    }
+
+    fn take_staging(&self) -> Result<(Pinned, sys::CUstream)> {
+        if let Some(s) = self.staging.lock().unwrap().pop() {
+            return Ok(s);
+        }
+        self.gpu.bind()?;
+        // SAFETY: plain pinned allocation of record_bytes.
+        let ptr = unsafe { cu::malloc_host(self.record_bytes, 0) }
+            .map_err(|e| anyhow!("cannot allocate {} bytes of pinned host memory: {e}", self.record_bytes))?
+            as *mut u8;
+        let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
+            .map_err(|e| anyhow!("cannot create a copy stream: {e}"))?;
+        Ok((Pinned { ptr, len: self.record_bytes }, stream))
+    }
+}
+
+impl SlotMemory for DeviceSlots {
+    fn slot_count(&self) -> usize {
+        self.slot_count
+    }
+
+    fn record_bytes(&self) -> usize {
+        self.record_bytes
+    }
+
+    fn load(&self, slot: usize, read: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
+        self.gpu.bind()?;
+        let (pinned, stream) = self.take_staging()?;
+        // SAFETY: the pinned buffer is len bytes, owned by this call until returned below.
+        let host = unsafe { std::slice::from_raw_parts_mut(pinned.ptr, pinned.len) };
+        let result = read(host).and_then(|()| {
+            // SAFETY: the slot holds record_bytes; the copy is waited for before returning.
+            unsafe {
+                cu::memcpy_htod_async(self.slot_ptr(slot), &*host, stream)
+                    .map_err(|e| anyhow!("copy of an expert record to the GPU failed: {e}"))?;
+                cu::stream::synchronize(stream).map_err(|e| anyhow!("copy of an expert record to the GPU failed: {e}"))
+            }
+        });
+        self.staging.lock().unwrap().push((pinned, stream));
+        result
+    }
+}
+
+impl Drop for DeviceSlots {
+    fn drop(&mut self) {
+        let _ = self.gpu.bind();
+        for (p, s) in self.staging.lock().unwrap().drain(..) {
+            // SAFETY: allocated above, freed once.
+            unsafe {
+                let _ = cu::free_host(p.ptr as *mut c_void);
+                let _ = cu::stream::destroy(s);
+            }
+        }
+    }
+}

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The CUDA backend's whole check, in one go on the GPU machine (nothing is compiled there).
+#
+# Build on the CPU machine and carry the binary:
+#   cargo build --release && mkdir -p .carry && cp target/release/cherenkov .carry/
+# then, on the GPU machine, from the repository root (the device tool: carry [".carry"]):
+#   tools/gpu/check.sh
+# It writes gpu-check.txt into $OUT (or ./gpu-check-out): every kernel against the CPU reference
+# on fresh random inputs, the golden fixtures on CUDA, and `run --check` (CPU and CUDA side by side)
+# on a synthetic model of the released shape whose experts do not all fit the expert cache.
+set -euo pipefail
+BIN=${BIN:-.carry/cherenkov}
+OUTDIR=${OUT:-gpu-check-out}
+mkdir -p "$OUTDIR"
+# NVRTC: the CUDA toolkit's, or the one PyTorch's wheels bring.
+for d in /usr/local/cuda/lib64 $(python3 -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13", "lib"))' 2>/dev/null || true); do
+  [ -e "$d/libnvrtc.so.13" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
+done
+export CHERENKOV_HOME=${CHERENKOV_HOME:-$(mktemp -d)}
+SYN=${SYN:-/tmp/cherenkov-flash4}
+{
+  echo "# Cherenkov GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  echo "binary: $($BIN --version)"
+  echo
+  echo "## synthetic model of the released shape (4 layers, 32 experts top-10; random weights)"
+  [ -e "$SYN/config.json" ] || $BIN synth "$SYN" --preset flash --layers 4 --experts 32 --vocab 32768 --ngram-base 100003
+  $BIN prepare "$SYN" --name flash4
+  STORE="$CHERENKOV_HOME/stores/flash4"
+  echo
+  echo "## kernels and golden fixtures"
+  $BIN gpu-check --fixtures fixtures/golden --store "$STORE"
+  echo
+  echo "## run --check on the synthetic model, expert cache of 40 records (a quarter of its 160)"
+  REC=$(python3 -c "import json; print(json.load(open('$STORE/manifest.json'))['experts']['record_bytes'])")
+  $BIN run flash4 "Explain hash collisions." --backend cuda --check --expert-cache $((40 * REC)) --max-tokens 16 --temperature 0
+} 2>&1 | tee "$OUTDIR/gpu-check.txt"
