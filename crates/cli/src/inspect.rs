@@ -1,5 +1,7 @@
-//! `cherenkov inspect`: what a store holds (configuration, bytes, precisions) and, with
-//! `--verify`, whether every byte still matches its checksum.
+//! `cherenkov inspect`: what a store holds (configuration, bytes, precisions), whether it is
+//! intact (the cheap check of [`crate::integrity`]) and, with `--verify`, whether every byte still
+//! matches its checksum (recorded in the store, so `run` trusts it until a file changes, or
+//! refuses it when damaged).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
@@ -13,16 +15,18 @@ use cherenkov_registry::Registry;
 use indicatif::HumanBytes;
 use serde::Serialize;
 
+use crate::integrity::{self, Health};
 use crate::progress::bytes_bar;
-use crate::resolve::resolve_model;
+use crate::resolve::resolve_for_inspection;
 use crate::stores::dir_bytes;
 
 #[derive(clap::Args, Debug)]
 pub struct InspectArgs {
-    /// A registered name, a store directory, or a checkpoint directory (packed on first use).
+    /// A registered name, a source URI (hf://..., disk://...), a store directory, or a checkpoint
+    /// directory (packed on first use).
     pub model: String,
-    /// Re-hash every file and expert record against the manifest's checksums; exits non-zero on
-    /// any mismatch.
+    /// Re-hash every file and expert record against the manifest's checksums and record the
+    /// outcome in the store; exits non-zero on any mismatch.
     #[arg(long)]
     pub verify: bool,
     /// Print one JSON object (the full config included) instead of text.
@@ -34,6 +38,12 @@ pub struct InspectArgs {
 struct Report {
     name: Option<String>,
     store: PathBuf,
+    /// The source the name was registered from (a path or URI) and the commit it resolved to.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    registered_source: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    revision: Option<String>,
+    /// The checkpoint directory that was packed.
     source: SourceInfo,
     model_type: String,
     layers: Layers,
@@ -41,8 +51,16 @@ struct Report {
     bytes: Bytes,
     precisions: Precisions,
     config: TextConfig,
+    /// The cheap check: `ok` or `damaged`, and how it knows.
+    integrity: Integrity,
     #[serde(skip_serializing_if = "Option::is_none")]
     verify: Option<Vec<String>>,
+}
+
+#[derive(Serialize)]
+struct Integrity {
+    ok: bool,
+    detail: String,
 }
 
 #[derive(Serialize)]
@@ -90,7 +108,7 @@ pub fn expert_precision(m: &Manifest) -> String {
     labels.into_iter().collect::<Vec<_>>().join("+")
 }
 
-fn report(store: &Store, name: Option<String>) -> Result<Report> {
+fn report(store: &Store, name: Option<String>, integrity: Integrity) -> Result<Report> {
     let m = &store.manifest;
     let c = &m.config;
     let file_bytes = |f: &str| m.files.get(f).map(|s| s.bytes).unwrap_or(0);
@@ -109,6 +127,8 @@ fn report(store: &Store, name: Option<String>) -> Result<Report> {
     Ok(Report {
         name,
         store: store.dir.clone(),
+        registered_source: None,
+        revision: None,
         source: m.source.clone(),
         model_type: m.model_type.clone(),
         layers: Layers {
@@ -129,6 +149,7 @@ fn report(store: &Store, name: Option<String>) -> Result<Report> {
         },
         precisions: Precisions { dense, experts, ngram },
         config: c.clone(),
+        integrity,
         verify: None,
     })
 }
@@ -139,6 +160,10 @@ fn write_text(r: &Report, m: &Manifest, out: &mut dyn Write) -> Result<()> {
     let join = |s: &BTreeSet<String>| s.iter().cloned().collect::<Vec<_>>().join(", ");
     writeln!(out, "model       {}", r.name.as_deref().unwrap_or("(not registered)"))?;
     writeln!(out, "store       {}", r.store.display())?;
+    if let Some(src) = &r.registered_source {
+        let rev = r.revision.as_deref().map(|c| format!(" at commit {c}")).unwrap_or_default();
+        writeln!(out, "registered  from {src}{rev}")?;
+    }
     writeln!(
         out,
         "source      {} ({} layout, fingerprint {})",
@@ -244,18 +269,37 @@ fn write_text(r: &Report, m: &Manifest, out: &mut dyn Write) -> Result<()> {
 
 pub fn run(args: &InspectArgs, out: &mut dyn Write) -> Result<()> {
     let reg = Registry::open_default()?;
-    let resolved = resolve_model(&reg, &args.model)?;
+    let resolved = resolve_for_inspection(&reg, &args.model)?;
     let store = Store::open(&resolved.store)?;
-    let mut r = report(&store, resolved.name)?;
-    if args.verify {
+    let (verify, integrity) = if args.verify {
         let bar = bytes_bar("verifying");
-        r.verify = Some(store.verify(&bar)?);
+        let problems = store.verify(&bar)?;
         bar.finish_and_clear();
+        integrity::record(&store.dir, &store.manifest, "verified", &problems);
+        let detail = if problems.is_empty() {
+            "ok: every byte verified now".to_string()
+        } else {
+            format!("DAMAGED (found by verified, now): {}", problems.join("; "))
+        };
+        (Some(problems.clone()), Integrity { ok: problems.is_empty(), detail })
+    } else {
+        let health = integrity::quick_check(&store)?;
+        (None, Integrity { ok: !matches!(health, Health::Damaged { .. }), detail: integrity::describe(&health) })
+    };
+    let ok = integrity.ok;
+    let mut r = report(&store, resolved.name, integrity)?;
+    if let Some(e) = &resolved.entry {
+        r.registered_source = Some(e.source.clone());
+        r.revision = e.revision.clone();
     }
+    r.verify = verify;
     if args.json {
         writeln!(out, "{}", serde_json::to_string_pretty(&r)?)?;
     } else {
         write_text(&r, &store.manifest, out)?;
+        if r.verify.is_none() {
+            writeln!(out, "integrity   {}", r.integrity.detail)?;
+        }
         match &r.verify {
             Some(p) if p.is_empty() => {
                 writeln!(out, "verify      ok: every file and expert record matches its checksum")?
@@ -269,10 +313,15 @@ pub fn run(args: &InspectArgs, out: &mut dyn Write) -> Result<()> {
             None => {}
         }
     }
+    let again = match &r.registered_source {
+        Some(_) => format!("prepare it again: cherenkov prepare {} --repack", r.name.as_deref().unwrap_or_default()),
+        None => "prepare the model again with --repack".to_string(),
+    };
     match &r.verify {
         Some(p) if !p.is_empty() => {
-            bail!("store {} failed verification ({} problem(s)); prepare the model again", store.dir.display(), p.len())
+            bail!("store {} failed verification ({} problem(s)); {again}", store.dir.display(), p.len())
         }
+        None if !ok => bail!("store {} is damaged: {}; {again}", store.dir.display(), r.integrity.detail),
         _ => Ok(()),
     }
 }

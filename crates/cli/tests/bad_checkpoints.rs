@@ -162,8 +162,8 @@ fn bad_names_and_sources() {
     assert!(err.contains("model name \".hidden\" cannot start with '.'"), "{err}");
     let err = home.fails(&["prepare", ck.to_str().unwrap(), "--name", "a/b"]);
     assert!(err.contains("contains '/'"), "{err}");
-    let err = home.fails(&["prepare", "hf://org/repo@main", "--name", "remote"]);
-    assert!(err.contains("only local checkpoint directories"), "{err}");
+    let err = home.fails(&["prepare", "s3://bucket/repo", "--name", "remote"]);
+    assert!(err.contains("unknown source scheme s3://"), "{err}");
     let err = home.fails(&["prepare", home.tmp.path().to_str().unwrap(), "--name", "empty"]);
     assert!(err.contains("no config.json in"), "{err}");
     assert!(home.registered().is_empty());

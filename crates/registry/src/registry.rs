@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 
-use crate::entry::Entry;
-use crate::file;
+use crate::entry::{DiskStore, Entry};
+use crate::file::{self, Index};
 use crate::name::validate_name;
 
 /// Registered models by name.
@@ -86,30 +86,51 @@ impl Registry {
         Ok(Lock { file })
     }
 
-    /// Every registered model, by name. Reads need no lock: the file is only ever replaced whole.
+    /// Where running servers announce themselves: `<home>/servers` (see [`crate::servers`]).
+    pub fn servers_dir(&self) -> PathBuf {
+        self.home.join("servers")
+    }
+
+    /// Everything registered: models and disk stores. Reads need no lock: the file is only ever
+    /// replaced whole.
+    pub fn index(&self) -> Result<Index> {
+        file::load(&self.path())
+    }
+
+    /// Every registered model, by name.
     pub fn list(&self) -> Result<Vec<Entry>> {
-        Ok(file::load(&self.path())?.into_values().collect())
+        Ok(self.index()?.models.into_values().collect())
     }
 
     /// Every registered model, keyed by name.
     pub fn models(&self) -> Result<Models> {
-        file::load(&self.path())
+        Ok(self.index()?.models)
     }
 
     pub fn get(&self, name: &str) -> Result<Option<Entry>> {
-        Ok(file::load(&self.path())?.remove(name))
+        Ok(self.index()?.models.remove(name))
     }
 
-    /// Runs `f` on the models while holding the lock and writes the result back if it changed.
-    /// When `f` fails nothing is written. `f` may do file-system work (renaming a store into
-    /// place) that must not interleave with another command's update.
-    pub fn update<T>(&self, f: impl FnOnce(&mut Models) -> Result<T>) -> Result<T> {
+    /// Every registered disk store, by name.
+    pub fn stores(&self) -> Result<Vec<DiskStore>> {
+        Ok(self.index()?.stores.into_values().collect())
+    }
+
+    pub fn get_store(&self, name: &str) -> Result<Option<DiskStore>> {
+        Ok(self.index()?.stores.remove(name))
+    }
+
+    /// Runs `f` on the whole index while holding the lock and writes the result back if it
+    /// changed. When `f` fails nothing is written. `f` may do file-system work (renaming a store
+    /// into place, deleting unreferenced stores) that must not interleave with another command's
+    /// update; an `f` that changes nothing just runs under the lock.
+    pub fn update_index<T>(&self, f: impl FnOnce(&mut Index) -> Result<T>) -> Result<T> {
         let _lock = self.lock()?;
         let path = self.path();
         let before = file::load(&path)?;
-        let mut models = before.clone();
-        let out = f(&mut models)?;
-        for (key, e) in &models {
+        let mut index = before.clone();
+        let out = f(&mut index)?;
+        for (key, e) in &index.models {
             validate_name(key)?;
             if *key != e.name {
                 bail!("registry update put the entry named {:?} under {key:?}", e.name);
@@ -118,10 +139,26 @@ impl Registry {
                 bail!("model {key}: store path {} is not absolute", e.store.display());
             }
         }
-        if models != before {
-            file::save(&path, &models)?;
+        for (key, s) in &index.stores {
+            validate_name(key)?;
+            if *key != s.name {
+                bail!("registry update put the disk store named {:?} under {key:?}", s.name);
+            }
+            if !s.path.is_absolute() {
+                bail!("disk store {key}: path {} is not absolute", s.path.display());
+            }
+        }
+        if index != before {
+            file::save(&path, &index)?;
         }
         Ok(out)
+    }
+
+    /// Runs `f` on the models while holding the lock and writes the result back if it changed.
+    /// When `f` fails nothing is written. `f` may do file-system work (renaming a store into
+    /// place) that must not interleave with another command's update.
+    pub fn update<T>(&self, f: impl FnOnce(&mut Models) -> Result<T>) -> Result<T> {
+        self.update_index(|index| f(&mut index.models))
     }
 
     /// Registers `entry` (replacing any entry of that name). Returns the entry it replaced.
@@ -133,6 +170,31 @@ impl Registry {
     /// Removes a name (the store stays on disk). Returns the removed entry.
     pub fn remove(&self, name: &str) -> Result<Option<Entry>> {
         self.update(|m| Ok(m.remove(name)))
+    }
+
+    /// Registers a disk store; fails if the name is taken by a store with another path or kind.
+    /// Returns false when the same store was registered already.
+    pub fn add_store(&self, store: DiskStore) -> Result<bool> {
+        validate_name(&store.name)?;
+        self.update_index(|index| match index.stores.get(&store.name) {
+            Some(s) if s.path == store.path && s.kind == store.kind => Ok(false),
+            Some(s) => bail!(
+                "disk store {} is already registered to {} ({}); remove it first (cherenkov store remove {})",
+                s.name,
+                s.path.display(),
+                s.kind.label(),
+                s.name
+            ),
+            None => {
+                index.stores.insert(store.name.clone(), store);
+                Ok(true)
+            }
+        })
+    }
+
+    /// Forgets a disk store (its directory is untouched). Returns the removed store.
+    pub fn remove_store(&self, name: &str) -> Result<Option<DiskStore>> {
+        self.update_index(|index| Ok(index.stores.remove(name)))
     }
 }
 
@@ -214,6 +276,45 @@ mod tests {
         .unwrap();
         let e = format!("{:#}", reg.list().unwrap_err());
         assert!(e.contains("under \"a\" is named \"b\""), "{e}");
+    }
+
+    #[test]
+    fn disk_stores_and_models_share_the_file() {
+        use crate::entry::DiskStoreKind;
+        let home = tempfile::tempdir().unwrap();
+        let reg = Registry::open(home.path()).unwrap();
+        reg.register(entry(&reg, "m")).unwrap();
+        let s = DiskStore::new("models", home.path().join("ckpts"), DiskStoreKind::Dir);
+        assert!(reg.add_store(s.clone()).unwrap());
+        assert!(!reg.add_store(s.clone()).unwrap(), "the same store again is not an error");
+        let other = DiskStore::new("models", home.path().join("elsewhere"), DiskStoreKind::HfCache);
+        let e = reg.add_store(other).unwrap_err().to_string();
+        assert!(e.contains("already registered to") && e.contains("ckpts"), "{e}");
+        // Updating models keeps the stores and the other way round.
+        reg.register(entry(&reg, "n")).unwrap();
+        assert_eq!(reg.stores().unwrap(), std::slice::from_ref(&s));
+        assert_eq!(reg.remove_store("models").unwrap(), Some(s));
+        assert_eq!(reg.list().unwrap().len(), 2);
+        let rel = DiskStore::new("rel", "rel/path".into(), DiskStoreKind::Dir);
+        assert!(reg.add_store(rel).unwrap_err().to_string().contains("not absolute"));
+    }
+
+    #[test]
+    fn files_without_stores_or_revisions_still_read() {
+        let home = tempfile::tempdir().unwrap();
+        let reg = Registry::open(home.path()).unwrap();
+        std::fs::write(
+            reg.path(),
+            r#"{"version": 1, "models": {"a": {"name": "a", "store": "/s", "source": "x", "created": 3}}}"#,
+        )
+        .unwrap();
+        let a = reg.get("a").unwrap().unwrap();
+        assert_eq!((a.revision, a.created), (None, 3));
+        assert!(reg.stores().unwrap().is_empty());
+        // Written back without an empty "stores" object or a null revision.
+        reg.register(Entry::new("b", "/t".into(), "y")).unwrap();
+        let text = std::fs::read_to_string(reg.path()).unwrap();
+        assert!(!text.contains("stores") && !text.contains("revision"), "{text}");
     }
 
     #[test]
