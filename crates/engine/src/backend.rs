@@ -29,6 +29,13 @@ pub trait Backend: Send + Sync {
     /// Tokens already processed by a session (the position of its next token).
     fn session_len(&self, s: &Self::Session) -> usize;
 
+    /// Bytes of memory a session's state holds (what a snapshot of it costs), or `None` when the
+    /// backend cannot say; the server's prefix cache, which is bounded in bytes, then keeps no
+    /// snapshots.
+    fn session_bytes(&self, _s: &Self::Session) -> Option<usize> {
+        None
+    }
+
     /// Runs `tokens` after the session's history and returns logits: `[vocab]` for
     /// [`Logits::Last`], `[tokens, vocab]` for [`Logits::All`].
     fn forward(&self, s: &mut Self::Session, tokens: &[u32], which: Logits) -> Result<Vec<f32>>;

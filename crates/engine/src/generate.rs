@@ -75,14 +75,20 @@ pub struct Generation {
 }
 
 /// Holds back text that may be the beginning of a stop string.
-struct StopFilter {
+pub struct StopFilter {
     stops: Vec<String>,
     pending: String,
 }
 
 impl StopFilter {
-    /// Adds text; returns (text safe to emit, whether a stop string was found).
-    fn push(&mut self, s: &str) -> (String, bool) {
+    /// A filter for `stops` (empty strings are ignored).
+    pub fn new(stops: &[String]) -> Self {
+        Self { stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(), pending: String::new() }
+    }
+
+    /// Adds text; returns (text safe to emit, whether a stop string was found). After a stop
+    /// string, the text from it on is dropped.
+    pub fn push(&mut self, s: &str) -> (String, bool) {
         self.pending.push_str(s);
         if let Some(at) = self.stops.iter().filter_map(|st| self.pending.find(st.as_str())).min() {
             let out = self.pending[..at].to_string();
@@ -104,7 +110,8 @@ impl StopFilter {
         (out, false)
     }
 
-    fn finish(&mut self) -> String {
+    /// The text still held back, at the end of a generation that no stop string ended.
+    pub fn finish(&mut self) -> String {
         std::mem::take(&mut self.pending)
     }
 }
@@ -127,8 +134,7 @@ pub fn generate<B: Backend>(
     timing.prefill_secs = t0.elapsed().as_secs_f64();
 
     let mut decoder = tokenizer.stream_decoder(true);
-    let stops = opts.stop_strings.iter().filter(|s| !s.is_empty()).cloned().collect();
-    let mut filter = StopFilter { stops, pending: String::new() };
+    let mut filter = StopFilter::new(&opts.stop_strings);
     let mut tokens = Vec::new();
     let mut text = String::new();
     let mut emit = |out: &str, text: &mut String| -> bool {
@@ -186,7 +192,7 @@ mod tests {
 
     #[test]
     fn stop_filter_holds_back_prefixes() {
-        let mut f = StopFilter { stops: vec!["</end>".into()], pending: String::new() };
+        let mut f = StopFilter::new(&["</end>".into(), String::new()]);
         assert_eq!(f.push("hello </e"), ("hello ".to_string(), false));
         assert_eq!(f.push("x"), ("</ex".to_string(), false));
         assert_eq!(f.push("ok </en"), ("ok ".to_string(), false));

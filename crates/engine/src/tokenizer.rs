@@ -104,6 +104,17 @@ impl Tokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// The bytes `id` contributes to decoded text (special tokens included), exactly: with a
+    /// byte-level decoder a token can hold part of a UTF-8 character, which its decoded string
+    /// alone would show as U+FFFD. Other decoders give the UTF-8 of the token decoded alone.
+    pub fn token_bytes(&self, id: u32) -> Result<Vec<u8>> {
+        if self.byte_level {
+            Ok(self.byte_level_bytes(id, false)?.unwrap_or_default())
+        } else {
+            Ok(self.decode(&[id], false)?.into_bytes())
+        }
+    }
+
     /// One past the largest id, counting the added tokens: the number of rows an embedding table
     /// or the logits must cover for every id of this tokenizer to be valid.
     pub fn vocab_size(&self) -> usize {
