@@ -10,6 +10,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result, bail};
 use cherenkov_engine::backend::{Backend, Logits};
 use cherenkov_engine::residency::{ExpertPool, HostSlots};
+use cherenkov_engine::routing::SkewedRouting;
 use cherenkov_engine::stats::PoolStats;
 use cherenkov_model::config::TextConfig;
 use cherenkov_model::ngram::NgramHash;
@@ -24,6 +25,13 @@ pub struct CpuModel {
     pub store: Arc<Store>,
     pub weights: Weights,
     pub pool: Arc<ExpertPool<HostSlots>>,
+    /// Synthetic-benchmark routing (None: the model's router decides).
+    pub skew: Option<Arc<SkewedRouting>>,
+    /// Lookahead: during a decode step's MoE, apply the next layer's router to this layer's input
+    /// and prefetch the experts it picks (behind the step's own misses).
+    pub lookahead: bool,
+    /// The lookahead's last prediction per MoE slot (to score it when that layer routes).
+    predicted: std::sync::Mutex<Vec<Option<Vec<usize>>>>,
     rope: Rope,
     /// Per decoder layer, the n-gram hash of its PLE block.
     ngram: Vec<Option<NgramHash>>,
@@ -44,7 +52,17 @@ impl CpuModel {
                 Ok(Some(hash))
             })
             .collect::<Result<_>>()?;
-        Ok(CpuModel { rope: Rope::new(c.rope_theta, c.rotary_dim()), store, weights, pool, ngram })
+        let predicted = std::sync::Mutex::new(vec![None; store.manifest.experts.layers.len()]);
+        Ok(CpuModel {
+            rope: Rope::new(c.rope_theta, c.rotary_dim()),
+            store,
+            weights,
+            pool,
+            skew: None,
+            lookahead: true,
+            predicted,
+            ngram,
+        })
     }
 
     pub fn config(&self) -> &TextConfig {
@@ -94,8 +112,22 @@ impl CpuModel {
             };
             hyper::inject(c, &mut x, &inj.expect("attention hyper-connection injects"), &out);
             let (inp, inj) = hyper::read(store, c, &layer.mlp_hc, &x);
-            let out =
-                moe::forward(store, c, &layer.moe, &self.pool, &inp).with_context(|| format!("layer {i} experts"))?;
+            let skew = self.skew.as_deref();
+            let slot = layer.moe.expert_slot;
+            let next = self.weights.layers.get(i + 1).map(|l| &l.moe).filter(|_| self.lookahead && t == 1);
+            let mut look = |actual: &[usize]| {
+                let mut pred = self.predicted.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(p) = pred[slot].take() {
+                    self.pool.record_lookahead(slot, &p, actual);
+                }
+                if let Some(n) = next {
+                    let guess = moe::predict(store, c, n, &inp, skew);
+                    self.pool.prefetch(n.expert_slot, &guess);
+                    pred[n.expert_slot] = Some(guess);
+                }
+            };
+            let out = moe::forward(store, c, &layer.moe, &self.pool, &inp, skew, Some(&mut look))
+                .with_context(|| format!("layer {i} experts"))?;
             hyper::inject(c, &mut x, &inj.expect("MLP hyper-connection injects"), &out);
         }
 
@@ -130,6 +162,10 @@ impl Backend for CpuModel {
 
     fn session_len(&self, s: &CpuSession) -> usize {
         s.pos
+    }
+
+    fn session_bytes(&self, s: &CpuSession) -> Option<usize> {
+        Some(s.bytes())
     }
 
     fn forward(&self, s: &mut CpuSession, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {

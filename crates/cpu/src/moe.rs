@@ -9,35 +9,49 @@
 
 use anyhow::Result;
 use cherenkov_engine::residency::{ExpertPool, HostSlots};
+use cherenkov_engine::routing::{SkewedRouting, top_k};
 use cherenkov_model::config::TextConfig;
 use cherenkov_model::store::Store;
 
 use crate::linear::Linear;
-use crate::ops::{sigmoid, silu, softmax};
+use crate::ops::{sigmoid, silu};
 use crate::weights::Moe;
 
-/// Top-k routing of `t` rows: per row, (expert, weight) in descending weight.
-pub fn route(store: &Store, c: &TextConfig, w: &Moe, h: &[f32]) -> Vec<Vec<(usize, f32)>> {
+/// Top-k routing of `t` rows: per row, (expert, weight) in descending weight. With `skew` (synthetic
+/// benchmarks only, see `cherenkov_engine::routing`) the logits get its bias first, and the choice of
+/// each row is recorded for the next token's reuse bonus.
+pub fn route(
+    store: &Store,
+    c: &TextConfig,
+    w: &Moe,
+    h: &[f32],
+    skew: Option<&SkewedRouting>,
+) -> Vec<Vec<(usize, f32)>> {
     let e = c.num_experts;
     let t = h.len() / c.hidden_size;
     let mut logits = vec![0f32; t * e];
     w.gate.lin(store).forward(h, &mut logits);
     logits
-        .chunks_exact_mut(e)
-        .map(|p| {
-            softmax(p);
-            let mut idx: Vec<usize> = (0..e).collect();
-            // Highest probability first; ties to the lower expert id.
-            idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
-            let top: Vec<(usize, f32)> = idx[..c.num_experts_per_tok].iter().map(|&i| (i, p[i])).collect();
-            if c.norm_topk_prob {
-                let s: f32 = top.iter().map(|x| x.1).sum();
-                top.into_iter().map(|(i, v)| (i, v / s)).collect()
-            } else {
-                top
+        .chunks_exact(e)
+        .map(|l| {
+            let bias = skew.map(|sk| sk.bias(w.expert_slot, e));
+            let top = top_k(l, bias.as_deref(), c.num_experts_per_tok, c.norm_topk_prob);
+            if let Some(sk) = skew {
+                sk.observe(w.expert_slot, &top.iter().map(|x| x.0).collect::<Vec<_>>(), e);
             }
+            top
         })
         .collect()
+}
+
+/// The experts the router of `w` would pick for `h` (one row), without recording anything: the
+/// lookahead's prediction for the next layer.
+pub fn predict(store: &Store, c: &TextConfig, w: &Moe, h: &[f32], skew: Option<&SkewedRouting>) -> Vec<usize> {
+    let e = c.num_experts;
+    let mut logits = vec![0f32; e];
+    w.gate.lin(store).forward(&h[..c.hidden_size], &mut logits);
+    let bias = skew.map(|sk| sk.bias(w.expert_slot, e));
+    top_k(&logits, bias.as_deref(), c.num_experts_per_tok, false).into_iter().map(|x| x.0).collect()
 }
 
 /// One expert (or the shared expert) on the rows `x` (`[r, H]`).
@@ -57,11 +71,19 @@ fn mlp(gate: &Linear, up: &Linear, down: &Linear, x: &[f32]) -> Vec<f32> {
 }
 
 /// `h` is `[t, H]`; returns `[t, H]`.
-pub fn forward(store: &Store, c: &TextConfig, w: &Moe, pool: &ExpertPool<HostSlots>, h: &[f32]) -> Result<Vec<f32>> {
+pub fn forward(
+    store: &Store,
+    c: &TextConfig,
+    w: &Moe,
+    pool: &ExpertPool<HostSlots>,
+    h: &[f32],
+    skew: Option<&SkewedRouting>,
+    mut after_acquire: Option<&mut dyn FnMut(&[usize])>,
+) -> Result<Vec<f32>> {
     let hid = c.hidden_size;
     let t = h.len() / hid;
     let k = c.num_experts_per_tok;
-    let routes = route(store, c, w, h);
+    let routes = route(store, c, w, h, skew);
 
     // Union of experts, most important (largest weight over the rows) first.
     let mut best: Vec<(usize, f32)> = Vec::new();
@@ -82,6 +104,10 @@ pub fn forward(store: &Store, c: &TextConfig, w: &Moe, pool: &ExpertPool<HostSlo
     // A long prefill can route to more experts than the pool holds: take them in pool-sized groups.
     for group in experts.chunks(pool.slot_count()) {
         let lease = pool.acquire(w.expert_slot, group)?;
+        // The step's misses are queued: lookahead reads may go behind them now.
+        if let Some(f) = after_acquire.take() {
+            f(&experts);
+        }
         let entries = lease.entries();
         // Resident experts first, while the misses are read.
         let order =

@@ -10,7 +10,9 @@
 pub mod backend;
 pub mod chat;
 pub mod generate;
+pub mod policy;
 pub mod residency;
+pub mod routing;
 pub mod sampling;
 pub mod stats;
 pub mod tokenizer;

@@ -328,6 +328,38 @@ struct Capacity {
 }
 
 impl Inner {
+    /// A slot for a new record: a free one, else the least recently used evictable one (whose
+    /// record is forgotten and counted as evicted). None when every slot is pinned or loading.
+    fn take_slot(&mut self, counters: &PoolCounters) -> Option<usize> {
+        if let Some(s) = self.free.pop() {
+            return Some(s);
+        }
+        let (_, s) = self.lru.pop_first()?;
+        let old = self.slots[s].key;
+        self.map.remove(&old);
+        counters.record_eviction(old.0);
+        Some(s)
+    }
+
+    /// Puts slot `s` in `Loading` for (layer, expert) and queues its read; returns its generation
+    /// and ticket.
+    fn start_load(&mut self, s: usize, layer: usize, expert: usize, pins: u32, last_use: u64) -> (u64, Arc<Ticket>) {
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        let ticket = Ticket::new();
+        self.slots[s] = Slot {
+            state: State::Loading,
+            key: (layer, expert),
+            pins,
+            last_use,
+            generation,
+            ticket: Some(Arc::clone(&ticket)),
+        };
+        self.map.insert((layer, expert), s);
+        self.queue.push_back(Job { slot: s, generation, layer, expert, ticket: Arc::clone(&ticket) });
+        (generation, ticket)
+    }
+
     fn capacity(&self, layer: usize, experts: &[usize]) -> Capacity {
         let (mut needed, mut evictable_hits, mut loading_hits) = (0, 0, 0);
         for &e in experts {
@@ -372,6 +404,8 @@ impl<M> Shared<M> {
 /// The bounded expert cache of one store, with its IO threads. See the module docs.
 pub struct ExpertPool<M: SlotMemory> {
     shared: Arc<Shared<M>>,
+    /// The steps served, when recording (for offline policy studies, [`crate::policy`]).
+    trace: Mutex<Option<Vec<crate::policy::Step>>>,
     threads: Vec<JoinHandle<()>>,
     layers: usize,
     num_experts: usize,
@@ -441,7 +475,15 @@ impl<M: SlotMemory> ExpertPool<M> {
             done: Condvar::new(),
             counters: PoolCounters::new(layers),
         });
-        let mut pool = ExpertPool { shared, threads: Vec::new(), layers, num_experts, slot_count, record_bytes };
+        let mut pool = ExpertPool {
+            shared,
+            trace: Mutex::new(None),
+            threads: Vec::new(),
+            layers,
+            num_experts,
+            slot_count,
+            record_bytes,
+        };
         for i in 0..io_threads {
             let shared = Arc::clone(&pool.shared);
             // On failure `pool` drops here, which stops and joins the threads already started.
@@ -456,6 +498,16 @@ impl<M: SlotMemory> ExpertPool<M> {
 
     pub fn store(&self) -> &Arc<Store> {
         &self.shared.store
+    }
+
+    /// Starts (or stops, discarding it) recording the steps served.
+    pub fn record_trace(&self, on: bool) {
+        *self.trace.lock().unwrap_or_else(|e| e.into_inner()) = if on { Some(Vec::new()) } else { None };
+    }
+
+    /// The steps recorded so far (recording continues).
+    pub fn take_trace(&self) -> Vec<crate::policy::Step> {
+        self.trace.lock().unwrap_or_else(|e| e.into_inner()).as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     pub fn memory(&self) -> &Arc<M> {
@@ -485,6 +537,9 @@ impl<M: SlotMemory> ExpertPool<M> {
     /// `experts` must be distinct (the caller deduplicates) and ordered by importance.
     pub fn acquire(&self, layer: usize, experts: &[usize]) -> Result<Lease<'_, M>> {
         self.check_request(layer, experts)?;
+        if let Some(t) = self.trace.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+            t.push(crate::policy::Step { layer: layer as u16, experts: experts.iter().map(|&e| e as u16).collect() });
+        }
         let n = experts.len();
         let mut entries = vec![LeaseEntry { expert: 0, slot: 0, hit: false }; n];
         let mut pins: Vec<Option<Pin>> = (0..n).map(|_| None).collect();
@@ -551,29 +606,8 @@ impl<M: SlotMemory> ExpertPool<M> {
                 if pins[i].is_some() {
                     continue;
                 }
-                let s = match inner.free.pop() {
-                    Some(s) => s,
-                    None => {
-                        let (_, s) = inner.lru.pop_first().expect("capacity was checked above");
-                        let old = inner.slots[s].key;
-                        inner.map.remove(&old);
-                        self.shared.counters.record_eviction(old.0);
-                        s
-                    }
-                };
-                let generation = inner.next_generation;
-                inner.next_generation += 1;
-                let ticket = Ticket::new();
-                inner.slots[s] = Slot {
-                    state: State::Loading,
-                    key: (layer, e),
-                    pins: 1,
-                    last_use: base + i as u64 + 1,
-                    generation,
-                    ticket: Some(Arc::clone(&ticket)),
-                };
-                inner.map.insert((layer, e), s);
-                inner.queue.push_back(Job { slot: s, generation, layer, expert: e, ticket: Arc::clone(&ticket) });
+                let s = inner.take_slot(&self.shared.counters).expect("capacity was checked above");
+                let (generation, ticket) = inner.start_load(s, layer, e, 1, base + i as u64 + 1);
                 misses += 1;
                 entries[i] = LeaseEntry { expert: e, slot: s, hit: false };
                 pins[i] = Some(Pin { generation, ticket: Some(ticket) });
@@ -620,6 +654,46 @@ impl<M: SlotMemory> ExpertPool<M> {
             }
         }
         Ok(())
+    }
+
+    /// Lookahead: queues reads for the experts of `layer` that are neither resident nor being read,
+    /// behind every read already queued (so a step's required misses always go first). Nothing is
+    /// pinned: once loaded, a prefetched record is an ordinary, evictable cache entry, marked as
+    /// recently used. Slots come from the free list, else from the least recently used evictable
+    /// records; pinned and loading slots are never taken, and the prefetch stops when none is left.
+    /// Returns the number of reads queued.
+    pub fn prefetch(&self, layer: usize, experts: &[usize]) -> usize {
+        if layer >= self.layers {
+            return 0;
+        }
+        let mut queued = 0;
+        {
+            let mut guard = self.shared.lock();
+            let inner = &mut *guard;
+            for &e in experts {
+                if e >= self.num_experts || inner.map.contains_key(&(layer, e)) {
+                    continue;
+                }
+                let Some(s) = inner.take_slot(&self.shared.counters) else { break };
+                inner.tick += 1;
+                let last_use = inner.tick;
+                inner.start_load(s, layer, e, 0, last_use);
+                queued += 1;
+            }
+        }
+        if queued > 0 {
+            self.shared.counters.record_prefetch(layer, queued as u64);
+            self.shared.work.notify_all();
+        }
+        queued
+    }
+
+    /// Records how well a lookahead predicted `layer`'s experts (see [`PoolStats`]).
+    pub fn record_lookahead(&self, layer: usize, predicted: &[usize], actual: &[usize]) {
+        if layer < self.layers {
+            let correct = actual.iter().filter(|e| predicted.contains(e)).count();
+            self.shared.counters.record_lookahead(layer, actual.len() as u64, correct as u64);
+        }
     }
 
     /// The experts of `layer` currently loaded (ascending); records still loading are not listed.

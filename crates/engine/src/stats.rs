@@ -52,6 +52,9 @@ struct LayerCounters {
     read_ns_max: AtomicU64,
     wait_ns: AtomicU64,
     evictions: AtomicU64,
+    prefetched: AtomicU64,
+    lookahead_routed: AtomicU64,
+    lookahead_correct: AtomicU64,
     latency: [AtomicU64; LATENCY_BUCKETS],
 }
 
@@ -69,6 +72,9 @@ impl LayerCounters {
             read_ns_max: self.read_ns_max.load(Relaxed),
             wait_ns: self.wait_ns.load(Relaxed),
             evictions: self.evictions.load(Relaxed),
+            prefetched: self.prefetched.load(Relaxed),
+            lookahead_routed: self.lookahead_routed.load(Relaxed),
+            lookahead_correct: self.lookahead_correct.load(Relaxed),
             resident,
             latency: std::array::from_fn(|i| self.latency[i].load(Relaxed)),
         }
@@ -87,6 +93,9 @@ impl LayerCounters {
             &self.read_ns_max,
             &self.wait_ns,
             &self.evictions,
+            &self.prefetched,
+            &self.lookahead_routed,
+            &self.lookahead_correct,
         ];
         for c in all.into_iter().chain(&self.latency) {
             c.store(0, Relaxed);
@@ -135,6 +144,18 @@ impl PoolCounters {
         c.read_ns_sum.fetch_add(ns, Relaxed);
         c.read_ns_max.fetch_max(ns, Relaxed);
         c.latency[latency_bucket(ns)].fetch_add(1, Relaxed);
+    }
+
+    /// `n` reads of `layer` were queued by a prefetch (lookahead).
+    pub fn record_prefetch(&self, layer: usize, n: u64) {
+        self.layers[layer].prefetched.fetch_add(n, Relaxed);
+    }
+
+    /// Lookahead for `layer`: of the `routed` experts the step actually used, `correct` were predicted.
+    pub fn record_lookahead(&self, layer: usize, routed: u64, correct: u64) {
+        let c = &self.layers[layer];
+        c.lookahead_routed.fetch_add(routed, Relaxed);
+        c.lookahead_correct.fetch_add(correct, Relaxed);
     }
 
     /// A step blocked `ns` nanoseconds waiting for an expert of `layer` to arrive.
@@ -204,6 +225,12 @@ pub struct LayerStats {
     pub wait_ns: u64,
     /// Records evicted to make room.
     pub evictions: u64,
+    /// Reads queued by lookahead prefetches.
+    pub prefetched: u64,
+    /// Routed experts of steps that had a lookahead prediction.
+    pub lookahead_routed: u64,
+    /// Of those, the ones the lookahead predicted.
+    pub lookahead_correct: u64,
     /// Records resident (loaded) at the snapshot.
     pub resident: usize,
     /// Read-latency histogram, buckets as in [`LATENCY_BUCKET_BOUNDS_US`].
@@ -223,6 +250,9 @@ impl LayerStats {
         self.read_ns_max = self.read_ns_max.max(o.read_ns_max);
         self.wait_ns += o.wait_ns;
         self.evictions += o.evictions;
+        self.prefetched += o.prefetched;
+        self.lookahead_routed += o.lookahead_routed;
+        self.lookahead_correct += o.lookahead_correct;
         self.resident += o.resident;
         for (a, b) in self.latency.iter_mut().zip(&o.latency) {
             *a += b;
@@ -232,6 +262,11 @@ impl LayerStats {
     /// Share of routed experts that were resident (`hits / routed`); `None` when nothing was routed.
     pub fn hit_rate(&self) -> Option<f64> {
         (self.routed > 0).then(|| self.hits as f64 / self.routed as f64)
+    }
+
+    /// Share of the routed experts the lookahead predicted; `None` without lookahead.
+    pub fn lookahead_accuracy(&self) -> Option<f64> {
+        (self.lookahead_routed > 0).then(|| self.lookahead_correct as f64 / self.lookahead_routed as f64)
     }
 
     /// Share of routed experts that needed no new read (`(hits + inflight) / routed`).

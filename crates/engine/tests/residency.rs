@@ -569,3 +569,37 @@ fn latency_buckets() {
     assert_eq!(latency_bucket_label(5), "<2.5ms");
     assert_eq!(latency_bucket_label(11), ">=100ms");
 }
+
+#[test]
+fn prefetch_queues_behind_misses_and_pins_nothing() {
+    let f = fixture();
+    let pool = host_pool(&f, 4, 1);
+    // A step needs experts 0 and 1 of layer 0; the lookahead prefetches 2 and 3 of layer 1.
+    let lease = pool.acquire(0, &[0, 1]).unwrap();
+    assert_eq!(pool.prefetch(1, &[2, 3]), 2);
+    // Already resident or loading: nothing more to read.
+    assert_eq!(pool.prefetch(1, &[2, 3]), 0);
+    lease.wait_all().unwrap();
+    check_bytes(&f, &lease);
+    drop(lease);
+    // The next step finds the prefetched records (joined or loaded) and reads nothing new.
+    let next = pool.acquire(1, &[2, 3]).unwrap();
+    next.wait_all().unwrap();
+    check_bytes(&f, &next);
+    let st = pool.stats();
+    assert_eq!(st.layers[1].misses, 0, "prefetched records were read again");
+    assert_eq!(st.layers[1].prefetched, 2);
+    assert_eq!(st.total.reads, 4);
+    drop(next);
+    // Prefetched records are not pinned: a step of 4 new experts can evict them all.
+    let all = pool.acquire(2, &[0, 1, 2, 3]).unwrap();
+    all.wait_all().unwrap();
+    check_bytes(&f, &all);
+    // With every slot pinned, a prefetch takes nothing.
+    assert_eq!(pool.prefetch(3, &[0]), 0);
+    // Lookahead accounting.
+    pool.record_lookahead(1, &[2, 4], &[2, 3]);
+    let st = pool.stats();
+    assert_eq!((st.layers[1].lookahead_routed, st.layers[1].lookahead_correct), (2, 1));
+    assert_eq!(st.layers[1].lookahead_accuracy(), Some(0.5));
+}

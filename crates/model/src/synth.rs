@@ -19,6 +19,7 @@
 
 mod init;
 mod shape;
+mod store;
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -35,13 +36,14 @@ use crate::dtype::DType;
 use crate::ngram::NgramHash;
 use init::{BLOCK, Init, fill_block};
 pub use shape::{SynthDims, SynthShape};
+pub use store::write_store;
 
 /// Token ids the bundled tokenizer produces (`0..TOKENIZER_VOCAB`); `vocab_size` must cover them.
 pub const TOKENIZER_VOCAB: usize = 500;
 /// `<|im_end|>` in the bundled tokenizer.
 pub const EOS_TOKEN: u32 = 2;
 
-const TOKENIZER_FILES: [(&str, &str); 3] = [
+pub(crate) const TOKENIZER_FILES: [(&str, &str); 3] = [
     ("tokenizer.json", include_str!("../../../fixtures/golden/tiny-a/hf/tokenizer.json")),
     ("tokenizer_config.json", include_str!("../../../fixtures/golden/tiny-a/hf/tokenizer_config.json")),
     ("chat_template.jinja", include_str!("../../../fixtures/golden/tiny-a/hf/chat_template.jinja")),
@@ -76,16 +78,16 @@ pub struct SynthSummary {
 }
 
 /// One tensor to write.
-struct Planned {
+pub(crate) struct Planned {
     /// The checkpoint key.
-    key: String,
-    dtype: DType,
-    shape: Vec<usize>,
-    init: Init,
+    pub(crate) key: String,
+    pub(crate) dtype: DType,
+    pub(crate) shape: Vec<usize>,
+    pub(crate) init: Init,
 }
 
 impl Planned {
-    fn numel(&self) -> usize {
+    pub(crate) fn numel(&self) -> usize {
         self.shape.iter().product()
     }
     fn bytes(&self) -> u64 {
@@ -94,7 +96,7 @@ impl Planned {
 }
 
 /// The Hugging Face key of a canonical name (`layers.0...` lives under `model.language_model.`).
-fn hf_key(name: &str) -> String {
+pub(crate) fn hf_key(name: &str) -> String {
     if name == "lm_head.weight" || name.starts_with("mtp.") {
         name.to_string()
     } else {
@@ -180,7 +182,7 @@ fn ngram_tensors(c: &TextConfig, layer: usize) -> Vec<Planned> {
 
 /// Every tensor in module order: a layer's n-gram table after its PLE block, its experts after its
 /// router.
-fn plan(c: &TextConfig, mtp_layers: usize, opts: &SynthOptions) -> Vec<Planned> {
+pub(crate) fn plan(c: &TextConfig, mtp_layers: usize, opts: &SynthOptions) -> Vec<Planned> {
     let moe_prefixes: Vec<String> = arch::moe_layers(c, mtp_layers).into_iter().map(|l| l.prefix).collect();
     let mut out = Vec::new();
     for spec in arch::dense_specs(c, mtp_layers).iter().filter(|s| !s.optional) {

@@ -42,12 +42,12 @@ fn chunk_rows(row_bytes: usize) -> usize {
     ((64 << 20) / row_bytes.max(1)).max(1)
 }
 
-fn align(x: u64, a: u64) -> u64 {
+pub(crate) fn align(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
 }
 
 /// A sequential writer that hashes what it writes and can pad to an alignment.
-struct HashingWriter {
+pub(crate) struct HashingWriter {
     out: BufWriter<File>,
     hash: Xxh3,
     pos: u64,
@@ -55,7 +55,7 @@ struct HashingWriter {
 }
 
 impl HashingWriter {
-    fn create(path: &Path) -> Result<HashingWriter> {
+    pub(crate) fn create(path: &Path) -> Result<HashingWriter> {
         let f = File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
         Ok(HashingWriter {
             out: BufWriter::with_capacity(8 << 20, f),
@@ -64,18 +64,40 @@ impl HashingWriter {
             name: path.display().to_string(),
         })
     }
-    fn write(&mut self, b: &[u8]) -> Result<()> {
+    pub(crate) fn write(&mut self, b: &[u8]) -> Result<()> {
         self.out.write_all(b).with_context(|| format!("write to {} failed", self.name))?;
         self.hash.update(b);
         self.pos += b.len() as u64;
         Ok(())
     }
-    fn pad_to(&mut self, a: u64) -> Result<()> {
+    pub(crate) fn pos(&self) -> u64 {
+        self.pos
+    }
+    pub(crate) fn pad_to(&mut self, a: u64) -> Result<()> {
         let target = align(self.pos, a);
         let zeros = vec![0u8; (target - self.pos) as usize];
         self.write(&zeros)
     }
-    fn finish(mut self) -> Result<FileSum> {
+    /// After a dense tensor's data: its scales and biases, each 4 KiB aligned (affine only).
+    pub(crate) fn write_scales_biases(
+        &mut self,
+        p: Precision,
+        scales: &[u8],
+        biases: &[u8],
+    ) -> Result<(Option<Span>, Option<Span>)> {
+        if p.affine().is_none() {
+            return Ok((None, None));
+        }
+        self.pad_to(DENSE_ALIGN)?;
+        let s = Span { offset: self.pos, len: scales.len() as u64 };
+        self.write(scales)?;
+        self.pad_to(DENSE_ALIGN)?;
+        let b = Span { offset: self.pos, len: biases.len() as u64 };
+        self.write(biases)?;
+        Ok((Some(s), Some(b)))
+    }
+
+    pub(crate) fn finish(mut self) -> Result<FileSum> {
         self.out.flush().with_context(|| format!("write to {} failed", self.name))?;
         let f = self.out.into_inner().map_err(|e| anyhow::anyhow!("write failed: {e}"))?;
         f.sync_all().with_context(|| format!("fsync of {} failed", self.name))?;
@@ -118,28 +140,20 @@ fn convert_rows(
     })
 }
 
-/// Packs `ck` into `out` (which must not exist or be empty). Returns the manifest written.
-pub fn pack(ck: &Checkpoint, out: &Path, progress: &ProgressBar) -> Result<Manifest> {
-    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
-    let c = ck.text().clone();
-
-    // ---- plan --------------------------------------------------------------------------------
-    let mut dense = Vec::new();
-    for spec in arch::dense_specs(&c, ck.mtp_layers) {
-        if let Some(m) = ck.dense(&spec)? {
-            let rule = if spec.quantizable() { arch::bf16_pack_rule(spec.role, spec.in_features()) } else { None };
-            let prec = target_precision(&m, rule);
-            dense.push((spec, m, prec));
-        }
-    }
-    let moe_layers = arch::moe_layers(&c, ck.mtp_layers);
+/// The record layout of every MoE layer (gate | up | down, each as data | scales | biases at
+/// 256-byte aligned offsets) for the given precisions, and the record size (the largest layer's,
+/// rounded up to 4 KiB).
+pub fn expert_layouts(
+    c: &crate::config::TextConfig,
+    moe_layers: &[arch::MoeLayer],
+    precisions: &[[Precision; 3]],
+) -> (Vec<ExpertLayout>, u64) {
     let mut layouts = Vec::new();
-    for layer in &moe_layers {
+    for (layer, prec) in moe_layers.iter().zip(precisions) {
         let mut mats = Vec::new();
         let mut off = 0u64;
-        for (which, shape) in arch::expert_shapes(&c).iter().enumerate() {
-            let m = ck.expert(layer, 0, which)?;
-            let prec = target_precision(&m, arch::bf16_pack_rule(Role::Linear, shape[1]));
+        for (which, shape) in arch::expert_shapes(c).iter().enumerate() {
+            let prec = prec[which];
             let (rows, cols) = (shape[0], shape[1]);
             let (data_len, side_len) = match prec.affine() {
                 Some(f) => ((rows * f.words_per_row(cols) * 4) as u64, (rows * f.groups_per_row(cols) * 2) as u64),
@@ -162,12 +176,45 @@ pub fn pack(ck: &Checkpoint, out: &Path, progress: &ProgressBar) -> Result<Manif
         layouts.push(ExpertLayout { layer: layer.prefix.clone(), gate_proj, up_proj, down_proj });
     }
     let record_bytes = align(layouts.iter().map(|l| l.used_bytes()).max().unwrap_or(0).max(1), RECORD_ALIGN);
+    (layouts, record_bytes)
+}
+
+/// `q4` when every expert matrix is 4-bit (likewise other widths), else `mixed`: names the file.
+pub fn experts_tag(layouts: &[ExpertLayout]) -> String {
     let bits: Vec<Option<u32>> =
         layouts.iter().flat_map(|l| l.matrices().map(|m| m.precision.affine().map(|a| a.bits))).collect();
-    let tag = match bits.first() {
+    match bits.first() {
         Some(Some(b)) if bits.iter().all(|x| *x == Some(*b)) => format!("q{b}"),
         _ => "mixed".to_string(),
-    };
+    }
+}
+
+/// Packs `ck` into `out` (which must not exist or be empty). Returns the manifest written.
+pub fn pack(ck: &Checkpoint, out: &Path, progress: &ProgressBar) -> Result<Manifest> {
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    let c = ck.text().clone();
+
+    // ---- plan --------------------------------------------------------------------------------
+    let mut dense = Vec::new();
+    for spec in arch::dense_specs(&c, ck.mtp_layers) {
+        if let Some(m) = ck.dense(&spec)? {
+            let rule = if spec.quantizable() { arch::bf16_pack_rule(spec.role, spec.in_features()) } else { None };
+            let prec = target_precision(&m, rule);
+            dense.push((spec, m, prec));
+        }
+    }
+    let moe_layers = arch::moe_layers(&c, ck.mtp_layers);
+    let mut precisions = Vec::new();
+    for layer in &moe_layers {
+        let mut p = [Precision::Float { dtype: crate::DType::BF16 }; 3];
+        for (which, shape) in arch::expert_shapes(&c).iter().enumerate() {
+            let m = ck.expert(layer, 0, which)?;
+            p[which] = target_precision(&m, arch::bf16_pack_rule(Role::Linear, shape[1]));
+        }
+        precisions.push(p);
+    }
+    let (layouts, record_bytes) = expert_layouts(&c, &moe_layers, &precisions);
+    let tag = experts_tag(&layouts);
 
     let mut ngram_plan = Vec::new();
     for layer in 0..c.num_hidden_layers {
@@ -213,15 +260,7 @@ pub fn pack(ck: &Checkpoint, out: &Path, progress: &ProgressBar) -> Result<Manif
             a = b;
         }
         let data = Span { offset: data_off, len: w.pos - data_off };
-        let (mut s_span, mut b_span) = (None, None);
-        if prec.affine().is_some() {
-            w.pad_to(DENSE_ALIGN)?;
-            s_span = Some(Span { offset: w.pos, len: scales.len() as u64 });
-            w.write(&scales)?;
-            w.pad_to(DENSE_ALIGN)?;
-            b_span = Some(Span { offset: w.pos, len: biases.len() as u64 });
-            w.write(&biases)?;
-        }
+        let (s_span, b_span) = w.write_scales_biases(*prec, &scales, &biases)?;
         tensors.push(DenseTensor {
             name: spec.name.clone(),
             shape: spec.shape.clone(),

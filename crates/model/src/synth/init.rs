@@ -9,13 +9,13 @@ use crate::dtype::{DType, f32_to_bf16};
 use crate::ngram::splitmix64;
 
 /// Elements per independently seeded block.
-pub(super) const BLOCK: usize = 1 << 20;
+pub(crate) const BLOCK: usize = 1 << 20;
 
 const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// How a tensor's values are drawn.
 #[derive(Clone, Debug, PartialEq)]
-pub(super) enum Init {
+pub(crate) enum Init {
     /// mean + std * z, z approximately standard normal.
     Normal { mean: f32, std: f32 },
     /// ln(u), u uniform in [lo, hi) (`A_log`).
@@ -47,7 +47,7 @@ impl Rng {
 }
 
 /// Fills `out` with the little-endian bytes of elements `[block * BLOCK, ...)` of a tensor.
-pub(super) fn fill_block(init: &Init, dtype: DType, tensor_seed: u64, block: usize, out: &mut [u8]) {
+pub(crate) fn fill_block(init: &Init, dtype: DType, tensor_seed: u64, block: usize, out: &mut [u8]) {
     let mut rng = Rng(splitmix64(tensor_seed ^ (block as u64).wrapping_mul(GAMMA)));
     let mut value = || match *init {
         Init::Normal { mean, std } => mean + std * rng.normal(),

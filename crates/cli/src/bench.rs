@@ -1,0 +1,380 @@
+//! `cherenkov bench`: decode speed on a synthetic model of the released shape, on the GPU.
+//!
+//! One run measures: the device and pinned host-to-device bandwidths; decode with every expert
+//! resident; decode with the expert cache a 21 GB budget would leave the full model (streamed from
+//! the page cache, then from a cold cache); hit rates, lookahead accuracy, bytes read per token and
+//! where the time goes; the offline policy study (LRU, LRFU, Belady) on the streamed run's routing
+//! trace; the roofline ratios; and the same shape in transformers' eager implementation. The model
+//! has random weights and skewed synthetic routers (see `cherenkov_engine::routing`); its depth is
+//! `--layers` (to fit a disk), and 48-layer figures are extrapolated per layer from it and said so.
+
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use cherenkov_cuda::CudaModel;
+use cherenkov_cuda::gpu::{Gpu, measure_bandwidth};
+use cherenkov_cuda::slots::DeviceSlots;
+use cherenkov_engine::backend::Logits;
+use cherenkov_engine::policy::{Policy, simulate};
+use cherenkov_engine::residency::{ExpertPool, format_bytes, parse_size};
+use cherenkov_engine::routing::{Skew, SkewedRouting};
+use cherenkov_engine::tokenizer::Tokenizer;
+use cherenkov_model::arch;
+use cherenkov_model::config::{ModelConfig, TextConfig};
+use cherenkov_model::store::Store;
+use cherenkov_model::synth::{SynthOptions, SynthShape, write_store};
+use cherenkov_registry::Registry;
+use serde_json::json;
+
+use crate::load::session_bytes;
+use crate::progress::bytes_bar;
+use crate::run::prompt_tokens;
+
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    /// Decoder layers of the synthetic model (the released model has 48; 48-layer figures are
+    /// extrapolated per layer).
+    #[arg(long, default_value_t = 4)]
+    pub layers: usize,
+    /// Routed experts per layer.
+    #[arg(long, default_value_t = 512)]
+    pub experts: usize,
+    /// Decode tokens timed per case (after --warmup untimed ones).
+    #[arg(long, default_value_t = 64)]
+    pub tokens: usize,
+    #[arg(long, default_value_t = 8)]
+    pub warmup: usize,
+    /// The full model's GPU budget to emulate: the expert cache is the share of the experts it would
+    /// leave a 48-layer model, applied to this model's layers.
+    #[arg(long, default_value = "21G")]
+    pub gpu_memory: String,
+    /// Skew of the synthetic routers (popularity, reuse: see engine::routing).
+    #[arg(long, default_value = "popularity=0.5,reuse=0.5")]
+    pub synthetic_routing: String,
+    /// Rows of the first n-gram head (the real table has 20M per head; fewer rows, same width).
+    #[arg(long, default_value_t = 200_003)]
+    pub ngram_base: u64,
+    /// Directory for the results (markdown and JSON).
+    #[arg(long, default_value = "benchmark/results")]
+    pub out: PathBuf,
+    /// Python with torch and transformers for the peer measurement.
+    #[arg(long, default_value = "python3")]
+    pub python: String,
+    /// Skip the transformers peer.
+    #[arg(long)]
+    pub no_peer: bool,
+    #[arg(long, default_value_t = 8)]
+    pub io_threads: usize,
+}
+
+/// What one case measured.
+struct Case {
+    name: String,
+    slots: usize,
+    tok_s: f64,
+    hit_rate: f64,
+    lookahead: Option<f64>,
+    bytes_per_token: f64,
+    dense_ms: f64,
+    experts_ms: f64,
+    wait_ms: f64,
+    /// Share of a token's experts the previous token also used (same layer).
+    share: Option<f64>,
+    trace: Vec<cherenkov_engine::policy::Step>,
+}
+
+/// Bytes of the dense weights a store of config `c` holds (packed as `prepare` would), and those a
+/// decode step reads (everything but the embedding table, which is read one row at a time, and the
+/// MTP head, which decoding without speculation never runs).
+fn dense_bytes(c: &TextConfig, mtp: usize) -> (u64, u64) {
+    let (mut all, mut read) = (0u64, 0u64);
+    for s in arch::dense_specs(c, mtp).iter().filter(|s| !s.optional) {
+        let (rows, cols) = (s.shape[..s.shape.len() - 1].iter().product::<usize>(), *s.shape.last().unwrap());
+        let rule = if s.quantizable() { arch::bf16_pack_rule(s.role, s.in_features()) } else { None };
+        let b = match rule {
+            Some(f) => (rows * f.row_bytes(cols)) as u64,
+            None => (rows * cols * if s.name.ends_with("A_log") { 4 } else { 2 }) as u64,
+        };
+        all += b;
+        if s.name != "embed_tokens.weight" && !s.name.starts_with("mtp.") {
+            read += b;
+        }
+    }
+    (all, read)
+}
+
+fn drop_page_cache(path: &std::path::Path) -> Result<()> {
+    let f = std::fs::File::open(path)?;
+    // SAFETY: a valid descriptor; advice only.
+    let r = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    if r != 0 {
+        bail!("posix_fadvise(DONTNEED) on {} failed ({r})", path.display());
+    }
+    Ok(())
+}
+
+pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
+    let reg = Registry::open_default()?;
+    let skew = Skew::parse(&args.synthetic_routing)?;
+    let shape = SynthShape {
+        num_hidden_layers: args.layers,
+        num_experts: args.experts,
+        ngram_vocab_size_base: args.ngram_base,
+        ..SynthShape::flash()
+    };
+    let dir = reg.home().join("bench").join(format!("flash-{}L-{}E-{}", args.layers, args.experts, args.ngram_base));
+    if !dir.join("manifest.json").exists() {
+        let tmp = dir.with_extension("tmp");
+        let _ = std::fs::remove_dir_all(&tmp);
+        eprintln!(
+            "writing a synthetic store of the released shape ({} layers, {} experts) to {}",
+            args.layers,
+            args.experts,
+            dir.display()
+        );
+        let bar = bytes_bar("synthesizing");
+        write_store(&shape, &SynthOptions { seed: 1, ..SynthOptions::default() }, &tmp, &bar)?;
+        bar.finish_and_clear();
+        std::fs::rename(&tmp, &dir)?;
+    }
+    let store = Arc::new(Store::open(&dir)?);
+    let c = store.config().clone();
+    let gpu = Gpu::new()?;
+    let bw = measure_bandwidth(&gpu, 2 << 30)?;
+    writeln!(
+        out,
+        "GPU {}: device copy {:.0} GB/s, pinned host-to-device {:.1} GB/s",
+        gpu.info.name,
+        bw.device / 1e9,
+        bw.host_to_device / 1e9
+    )?;
+
+    // The expert cache a 48-layer model would get from the budget, as a share of its experts.
+    let full = ModelConfig::from_value(
+        &SynthShape { ngram_vocab_size_base: args.ngram_base, ..SynthShape::flash() }.config_json(),
+    )?
+    .text;
+    let record = store.record_bytes() as u64;
+    let (dense_full, _) = dense_bytes(&full, 1);
+    let reserve_full = 2 * session_bytes(&full, 8192) as u64 + (64 << 20);
+    let budget = parse_size(&args.gpu_memory)?;
+    let experts_full = (full.num_hidden_layers * full.num_experts) as u64 * record;
+    let share = (budget.saturating_sub(dense_full + reserve_full)) as f64 / experts_full as f64;
+    if share <= 0.0 {
+        bail!(
+            "--gpu-memory {} leaves no room for experts in the full model (dense {})",
+            args.gpu_memory,
+            format_bytes(dense_full)
+        );
+    }
+    let trunk_records = c.num_hidden_layers * c.num_experts;
+    let streamed_slots = ((share * trunk_records as f64) as usize).max(c.num_experts_per_tok);
+    writeln!(
+        out,
+        "full model at {}: dense {}, sessions+scratch {}, experts {} -> expert cache {:.1}% of the experts; here {} of {} trunk records",
+        args.gpu_memory,
+        format_bytes(dense_full),
+        format_bytes(reserve_full),
+        format_bytes(experts_full),
+        100.0 * share,
+        streamed_slots,
+        trunk_records
+    )?;
+
+    let tok = Tokenizer::from_dir(&store.dir)?;
+    let prompt = prompt_tokens(&store.dir, &tok, None, "Explain hash collisions.", false)?;
+    let experts_file = store.dir.join(&store.manifest.experts.file);
+    let run_case = |name: &str, slots: usize, cold: bool| -> Result<Case> {
+        if cold {
+            drop_page_cache(&experts_file)?;
+        }
+        let memory = Arc::new(DeviceSlots::new(gpu.clone(), slots, store.record_bytes())?);
+        let pool = Arc::new(ExpertPool::new(store.clone(), memory, args.io_threads)?);
+        let mut model = CudaModel::new(store.clone(), gpu.clone(), pool.clone())?;
+        model.skew = Some(Arc::new(SkewedRouting::new(skew)));
+        let mut s = model.new_session()?;
+        let mut logits = model.forward_tokens(&mut s, &prompt, Logits::Last)?;
+        let argmax = |l: &[f32]| l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|x| x.0 as u32).unwrap();
+        for _ in 0..args.warmup {
+            logits = model.forward_tokens(&mut s, &[argmax(&logits)], Logits::Last)?;
+        }
+        pool.reset_stats();
+        pool.record_trace(true);
+        model.reset_timing();
+        let t0 = std::time::Instant::now();
+        for _ in 0..args.tokens {
+            logits = model.forward_tokens(&mut s, &[argmax(&logits)], Logits::Last)?;
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        let st = pool.stats();
+        let tm = model.timing();
+        let n = args.tokens as f64;
+        Ok(Case {
+            name: name.to_string(),
+            slots,
+            tok_s: n / secs,
+            hit_rate: st.hit_rate().unwrap_or(0.0),
+            lookahead: st.total.lookahead_accuracy(),
+            bytes_per_token: st.total.bytes_read as f64 / n,
+            dense_ms: tm.dense_ns() as f64 / 1e6 / n,
+            experts_ms: tm.experts_ns as f64 / 1e6 / n,
+            wait_ms: tm.wait_ns as f64 / 1e6 / n,
+            share: model.skew.as_ref().and_then(|k| k.consecutive_share()),
+            trace: pool.take_trace(),
+        })
+    };
+    let all = store.manifest.experts.records() as usize;
+    let cases = [
+        run_case("all experts resident", all, false)?,
+        run_case(&format!("{} budget, page cache warm", args.gpu_memory), streamed_slots, false)?,
+        run_case(&format!("{} budget, page cache cold", args.gpu_memory), streamed_slots, true)?,
+    ];
+
+    // Roofline.
+    let (_, dense_read) = dense_bytes(&c, store.manifest.mtp_layers);
+    let resident_bytes = dense_read as f64 + (c.num_hidden_layers * c.num_experts_per_tok) as f64 * record as f64;
+    let roofline = bw.device / resident_bytes;
+    let per_layer = |tok_s: f64| tok_s * c.num_hidden_layers as f64 / 48.0;
+
+    // The policy study on the warm streamed run's trace.
+    let trace = &cases[1].trace;
+    let mut policies = Vec::new();
+    for p in [
+        Policy::Lru,
+        Policy::Lrfu { lambda: 0.5 },
+        Policy::Lrfu { lambda: 0.1 },
+        Policy::Lrfu { lambda: 0.01 },
+        Policy::Belady,
+    ] {
+        policies.push((p.label(), simulate(trace, streamed_slots, p).hit_rate()));
+    }
+    let belady = policies.last().map(|p| p.1).unwrap_or(1.0);
+
+    // The peer.
+    let peer = if args.no_peer {
+        None
+    } else {
+        let o = std::process::Command::new(&args.python)
+            .args(["tools/bench/hf_peer.py", "--config"])
+            .arg(store.dir.join("config.json"))
+            .args(["--tokens", &args.tokens.min(32).to_string()])
+            .output()
+            .with_context(|| format!("running {} tools/bench/hf_peer.py", args.python))?;
+        let text = String::from_utf8_lossy(&o.stdout);
+        match text
+            .lines()
+            .rev()
+            .find(|l| l.starts_with('{'))
+            .and_then(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        {
+            Some(v) => Some(v),
+            None => {
+                writeln!(
+                    out,
+                    "peer failed: {}",
+                    String::from_utf8_lossy(&o.stderr).lines().rev().take(5).collect::<Vec<_>>().join(" | ")
+                )?;
+                None
+            }
+        }
+    };
+
+    // Report.
+    let date = std::process::Command::new("date")
+        .args(["-u", "+%Y-%m-%d"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    let mut md = String::new();
+    md.push_str(&format!("# Decode benchmark, {date}\n\n"));
+    md.push_str(&format!(
+        "Command: `cherenkov bench --layers {} --experts {} --tokens {} --gpu-memory {} --synthetic-routing {}`  \n",
+        args.layers, args.experts, args.tokens, args.gpu_memory, args.synthetic_routing
+    ));
+    md.push_str(&format!(
+        "GPU: {}; device copy {:.0} GB/s, pinned host-to-device {:.1} GB/s (measured).  \n",
+        gpu.info.name,
+        bw.device / 1e9,
+        bw.host_to_device / 1e9
+    ));
+    md.push_str(&format!(
+        "Model: synthetic, released shape (hidden 2560, {} experts top-10 of width 640, 4 streams, QSA, PLE) at {} layers, random weights, routers skewed with {} (consecutive-token expert share measured below).  \n",
+        c.num_experts, c.num_hidden_layers, skew.label()
+    ));
+    md.push_str(&format!(
+        "Resident bytes per token: {} (dense read {} + {} experts of {}); roofline at the measured device bandwidth: {:.0} tok/s.\n\n",
+        format_bytes(resident_bytes as u64),
+        format_bytes(dense_read),
+        c.num_hidden_layers * c.num_experts_per_tok,
+        format_bytes(record),
+        roofline
+    ));
+    md.push_str("| case | expert slots | tok/s | 48-layer tok/s (per-layer extrapolation) | hit rate | lookahead accuracy | read per token | dense ms/tok | experts ms/tok | waiting ms/tok | vs roofline / PCIe bound |\n");
+    md.push_str("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+    for (i, k) in cases.iter().enumerate() {
+        let ratio = if i == 0 {
+            format!("{:.1}% of HBM roofline", 100.0 * k.tok_s / roofline)
+        } else {
+            let t_io = k.bytes_per_token / bw.host_to_device;
+            let bound = 1.0 / (1.0 / roofline).max(t_io);
+            format!("{:.1}% of the PCIe bound ({:.0} tok/s)", 100.0 * k.tok_s / bound, bound)
+        };
+        md.push_str(&format!(
+            "| {} | {} | {:.1} | {:.1} | {:.1}% | {} | {} | {:.2} | {:.2} | {:.2} | {} |\n",
+            k.name,
+            k.slots,
+            k.tok_s,
+            per_layer(k.tok_s),
+            100.0 * k.hit_rate,
+            k.lookahead.map_or("-".to_string(), |a| format!("{:.1}%", 100.0 * a)),
+            format_bytes(k.bytes_per_token as u64),
+            k.dense_ms,
+            k.experts_ms,
+            k.wait_ms,
+            ratio
+        ));
+    }
+    md.push_str(&format!(
+        "\nCache policies replayed on the warm streamed run's routing trace ({} steps, {} slots):\n\n",
+        trace.len(),
+        streamed_slots
+    ));
+    md.push_str("| policy | hit rate | of Belady's |\n| --- | --- | --- |\n");
+    for (name, h) in &policies {
+        md.push_str(&format!("| {name} | {:.1}% | {:.1}% |\n", 100.0 * h, 100.0 * h / belady.max(1e-9)));
+    }
+    md.push_str(&format!(
+        "\nThe pool itself (LRU with lookahead prefetch) hit {:.1}% in that run. Consecutive tokens shared {} of their experts per layer.\n",
+        100.0 * cases[1].hit_rate,
+        cases[1].share.map_or("-".to_string(), |s| format!("{:.1}%", 100.0 * s))
+    ));
+    if let Some(p) = &peer {
+        let tps = p["tokens_per_s"].as_f64().unwrap_or(0.0);
+        md.push_str(&format!(
+            "\nPeer: {} on the same shape ({} layers, {} experts, all on the GPU): {:.2} tok/s decode; Cherenkov resident is {:.1}x that.\n",
+            p["peer"].as_str().unwrap_or("transformers"),
+            p["layers"],
+            p["experts"],
+            tps,
+            cases[0].tok_s / tps.max(1e-9)
+        ));
+    }
+    std::fs::create_dir_all(&args.out)?;
+    let stem = args.out.join(format!("bench-{date}"));
+    std::fs::write(stem.with_extension("md"), &md)?;
+    let cases_json: Vec<_> = cases
+        .iter()
+        .map(|k| json!({"case": k.name, "slots": k.slots, "tok_s": k.tok_s, "hit_rate": k.hit_rate, "lookahead_accuracy": k.lookahead,
+                        "bytes_per_token": k.bytes_per_token, "dense_ms": k.dense_ms, "experts_ms": k.experts_ms, "wait_ms": k.wait_ms}))
+        .collect();
+    let j = json!({"date": date, "gpu": gpu.info.name, "device_bw": bw.device, "h2d_bw": bw.host_to_device, "layers": c.num_hidden_layers,
+                   "experts": c.num_experts, "skew": skew, "roofline_tok_s": roofline, "cases": cases_json,
+                   "policies": policies.iter().map(|(n, h)| json!({"policy": n, "hit_rate": h})).collect::<Vec<_>>(), "peer": peer});
+    std::fs::write(stem.with_extension("json"), serde_json::to_vec_pretty(&j)?)?;
+    writeln!(out, "{md}")?;
+    writeln!(out, "wrote {} and .json", stem.with_extension("md").display())?;
+    Ok(())
+}
