@@ -4,8 +4,15 @@
 //! Adding a subcommand: a module with `XArgs` (clap `Args`) and `run`, a variant of [`Command`],
 //! and one arm in [`dispatch`].
 
+mod backend;
+mod bench;
+mod check;
 mod demo;
+mod fetch;
+mod gc;
+mod gpu_check;
 mod inspect;
+mod integrity;
 mod load;
 mod logits;
 mod models;
@@ -13,6 +20,11 @@ mod prepare;
 mod progress;
 mod resolve;
 mod run;
+mod serve;
+mod source;
+mod space;
+mod status;
+mod store;
 mod stores;
 mod synth;
 
@@ -32,9 +44,10 @@ Models are registered by name in $CHERENKOV_HOME (default: the user data directo
 ~/.local/share/cherenkov): registry.json maps names to stores, and `prepare` writes stores to \
 $CHERENKOV_HOME/stores/<name>.
 
-Wherever a command takes a MODEL, it accepts a registered name, a store directory (with \
-manifest.json) or a checkpoint directory (with config.json; packed on first use and registered under \
-the directory's name). `cherenkov MODEL PROMPT` is short for `cherenkov run MODEL PROMPT`.";
+Wherever a command takes a MODEL, it accepts a registered name, a source URI it was prepared from \
+(hf://org/repo[@revision], disk://STORE/path[@revision]), a store directory (with manifest.json) or a \
+checkpoint directory (with config.json; packed on first use and registered under the directory's \
+name). `cherenkov MODEL PROMPT` is short for `cherenkov run MODEL PROMPT`.";
 
 const EXAMPLES: &str = "\
 Examples:
@@ -43,7 +56,10 @@ Examples:
   cherenkov flash 'Explain hash collisions.' --temperature 0
   cherenkov logits flash --tokens 1,2,3 --out logits.npy
   cherenkov prepare /models/Qwen4-Exp-MLX-4bit --name flash
+  cherenkov prepare hf://Org/Qwen4-Exp-MLX-4bit@main --name flash
+  cherenkov store add models /models && cherenkov prepare disk://models/Org/Qwen4-Exp-MLX-4bit
   cherenkov model list
+  cherenkov status
   cherenkov inspect flash --verify
   cherenkov synth /tmp/demo-ckpt --preset demo && cherenkov prepare /tmp/demo-ckpt --name demo";
 
@@ -79,26 +95,54 @@ enum Command {
             cache that holds half of the experts, printing the cache statistics per layer. Later runs \
             reuse the checkpoint and the store.")]
     Demo(demo::DemoArgs),
-    /// Pack a checkpoint directory into a store and register it under a name.
+    /// Measure decode on a synthetic model of the released shape on the GPU (writes benchmark/results).
+    #[command(long_about = "Measures, on the GPU, decode of a synthetic model of the released Qwen3.8-Flash-Next \
+            shape (random weights, skewed synthetic routers) at --layers depth: every expert resident; the expert \
+            cache a --gpu-memory budget leaves the full 48-layer model, with the page cache warm and cold; hit \
+            rates, lookahead accuracy, bytes read per token, the time split, the offline cache-policy study \
+            (LRU, LRFU, Belady) on the routing trace, the roofline ratios, and transformers' eager qwen4_exp on \
+            the same shape. Results go to --out as markdown and JSON.")]
+    Bench(bench::BenchArgs),
+    /// Check the CUDA backend against the CPU reference and the golden logits (on a GPU machine).
+    #[command(hide = true)]
+    GpuCheck(gpu_check::GpuCheckArgs),
+    /// Pack a checkpoint (a directory, hf://org/repo@rev, disk://STORE/path) into a store and register it.
     #[command(
-        long_about = "Pack a checkpoint directory into a store and register it under a name.\n\n\
+        long_about = "Pack a checkpoint into a store and register it under a name.\n\n\
+            The checkpoint is a directory, hf://org/repo[@revision] (downloaded from HF_ENDPOINT, default \
+            https://huggingface.co, with HF_TOKEN if set, into the Hugging Face cache HF_HUB_CACHE or \
+            HF_HOME/hub; resumed if interrupted, every file's hash checked; free space for the download and \
+            the store is checked first; the files it downloaded are removed after packing unless \
+            --keep-source), disk://STORE/path[@revision] (a checkpoint in a disk store, see `cherenkov store`), \
+            or a registered name (its source again).\n\n\
             Validates the whole checkpoint first (config, every tensor's presence, shape and dtype), then \
             writes $CHERENKOV_HOME/stores/<NAME>: dense weights in their source precision (BF16 linears \
             quantized to 4-bit groups of 64, routers to 8-bit, n-gram rows to 4-bit groups of 32; MLX \
             weights kept bit for bit), one aligned record per expert, the n-gram table, and the tokenizer \
             files. The store is built in a temporary directory and renamed into place only when complete, \
             so an error or an interrupt leaves nothing registered.\n\n\
-            If a complete store packed from a checkpoint with the same fingerprint exists, it is reused \
-            and only the name is registered. If NAME is registered to a different checkpoint, prepare \
-            refuses unless --force is given.",
+            If a complete, undamaged store packed from a checkpoint with the same fingerprint (or, for \
+            hf://, the same commit) exists, it is reused and only the name is registered; --repack packs \
+            anew. If NAME is registered to a different source, prepare refuses unless --force is given.",
         after_help = "Examples:\n  cherenkov prepare /models/Qwen4-Exp-MLX-4bit --name flash\n  \
+            cherenkov prepare hf://Org/Qwen4-Exp-MLX-4bit@6cc9bbc0 --name flash\n  \
+            HF_TOKEN=hf_... cherenkov prepare hf://Org/Gated-Model --name gated --keep-source\n  \
+            cherenkov prepare disk://models/Org/Qwen4-Exp-MLX-4bit --name flash\n  \
+            cherenkov prepare disk://hfcache/Org/Qwen4-Exp-MLX-4bit@main\n  \
+            cherenkov prepare flash --repack\n  \
             cherenkov prepare ./my-finetune --name flash --force"
     )]
     Prepare(prepare::PrepareArgs),
-    /// List or remove registered models.
+    /// List registered models, release one, or delete the stores no name uses (gc).
     #[command(subcommand)]
     Model(models::ModelCommand),
-    /// Show a model's configuration, sizes on disk and precisions; --verify re-hashes the store.
+    /// Register, list or remove disk stores: directories of checkpoints that disk:// URIs name.
+    #[command(subcommand)]
+    Store(store::StoreCommand),
+    /// Show registered models, free disk, NVIDIA GPUs and running servers.
+    #[command(after_help = "Examples:\n  cherenkov status\n  cherenkov status --json")]
+    Status(status::StatusArgs),
+    /// Show a model's configuration, sizes on disk, precisions and integrity; --verify re-hashes the store.
     #[command(after_help = "Examples:\n  cherenkov inspect flash\n  cherenkov inspect flash --verify\n  \
             cherenkov inspect ~/.local/share/cherenkov/stores/flash --json")]
     Inspect(inspect::InspectArgs),
@@ -113,6 +157,21 @@ enum Command {
             cherenkov synth /tmp/bench --hidden 2048 --layers 8 --experts 64 --moe-intermediate 512"
     )]
     Synth(synth::SynthArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API (chat and text completions).
+    #[command(
+        long_about = "Serve the model over an OpenAI-compatible HTTP API at http://127.0.0.1:8080/v1, under \
+            the model name `cherenkov` (the registered name works too): chat completions (the chat template \
+            with thinking disabled) and text completions, streamed or not, with sampling, stop strings and \
+            token sequences, logprobs and usage. The model stays loaded; up to two requests decode \
+            interleaved (--max-active) and more wait in a bounded queue (429 when it is full). Repeated \
+            prompt prefixes are restored from a cache of session snapshots; a `session_id` keeps one \
+            conversation's state. --config FILE.toml sets defaults, flags override it, and SIGHUP reloads \
+            it. See docs/server.md.",
+        after_help = "Examples:\n  cherenkov serve --model flash\n  \
+            cherenkov serve --model flash --port 9000 --config serve.toml\n  \
+            CHERENKOV_API_KEY=secret cherenkov serve --model flash --host 0.0.0.0"
+    )]
+    Serve(serve::ServeArgs),
 }
 
 fn dispatch(command: &Command, out: &mut dyn Write) -> Result<()> {
@@ -120,10 +179,15 @@ fn dispatch(command: &Command, out: &mut dyn Write) -> Result<()> {
         Command::Run(a) => run::run(a, out),
         Command::Logits(a) => logits::run(a, out),
         Command::Demo(a) => demo::run(a, out),
+        Command::GpuCheck(a) => gpu_check::run(a, out),
+        Command::Bench(a) => bench::run(a, out),
         Command::Prepare(a) => prepare::run(a, out),
         Command::Model(c) => models::run(c, out),
+        Command::Store(c) => store::run(c, out),
+        Command::Status(a) => status::run(a, out),
         Command::Inspect(a) => inspect::run(a, out),
         Command::Synth(a) => synth::run(a, out),
+        Command::Serve(a) => serve::run(a, out),
     }
 }
 
