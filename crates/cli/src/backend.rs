@@ -5,7 +5,7 @@ use cherenkov_cpu::{CpuModel, CpuSession};
 use cherenkov_cuda::CudaModel;
 use cherenkov_cuda::session::CudaSession;
 use cherenkov_engine::backend::{Backend, Logits};
-use cherenkov_engine::stats::PoolStats;
+use cherenkov_engine::stats::{ExpertStats, ForwardStats, PoolStats};
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum BackendChoice {
@@ -77,6 +77,14 @@ impl Backend for AnyModel {
         }
     }
 
+    fn forward_top(&self, s: &mut AnySession, tokens: &[u32], k: usize) -> Result<Vec<(u32, f32)>> {
+        match (self, s) {
+            (AnyModel::Cpu(m), AnySession::Cpu(s)) => m.forward_top(s, tokens, k),
+            (AnyModel::Cuda(m), AnySession::Cuda(s)) => m.forward_top(s, tokens, k),
+            _ => anyhow::bail!("a session of one backend was given to another"),
+        }
+    }
+
     fn vocab_size(&self) -> usize {
         match self {
             AnyModel::Cpu(m) => m.config().vocab_size,
@@ -88,6 +96,20 @@ impl Backend for AnyModel {
         match self {
             AnyModel::Cpu(m) => m.pool.stats(),
             AnyModel::Cuda(m) => m.pool.stats(),
+        }
+    }
+
+    fn forward_stats(&self) -> Option<ForwardStats> {
+        match self {
+            AnyModel::Cpu(m) => m.forward_stats(),
+            AnyModel::Cuda(m) => m.forward_stats(),
+        }
+    }
+
+    fn expert_stats(&self, layer: usize) -> Option<Vec<ExpertStats>> {
+        match self {
+            AnyModel::Cpu(m) => m.expert_stats(layer),
+            AnyModel::Cuda(m) => m.expert_stats(layer),
         }
     }
 }

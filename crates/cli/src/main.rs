@@ -7,6 +7,8 @@
 mod backend;
 mod bench;
 mod check;
+mod client;
+mod dash;
 mod demo;
 mod fetch;
 mod gc;
@@ -23,6 +25,7 @@ mod run;
 mod serve;
 mod source;
 mod space;
+mod stats;
 mod status;
 mod store;
 mod stores;
@@ -60,6 +63,8 @@ Examples:
   cherenkov store add models /models && cherenkov prepare disk://models/Org/Qwen4-Exp-MLX-4bit
   cherenkov model list
   cherenkov status
+  cherenkov stats summary
+  cherenkov dash
   cherenkov inspect flash --verify
   cherenkov synth /tmp/demo-ckpt --preset demo && cherenkov prepare /tmp/demo-ckpt --name demo";
 
@@ -172,6 +177,31 @@ enum Command {
             CHERENKOV_API_KEY=secret cherenkov serve --model flash --host 0.0.0.0"
     )]
     Serve(serve::ServeArgs),
+    /// A running server's statistics: summary, per-layer and per-expert tables, recent steps.
+    #[command(
+        subcommand,
+        long_about = "Ask a running `cherenkov serve` (from another terminal) what the expert cache and the \
+            engine are doing: `summary` (requests, tokens/s, time split, cache totals, prefix cache, MTP), \
+            `layers` (one row per MoE layer: hit rate, reads, bytes, read latency, waiting, residency, \
+            lookahead), `experts LAYER` (one row per expert of a layer), `steps` (the latest forwards). \
+            --json prints the server's document with every field (docs/stats.md). The server is --url, \
+            else --port on 127.0.0.1, else one announced in $CHERENKOV_HOME/servers, else \
+            http://127.0.0.1:8080.",
+        after_help = "Examples:\n  cherenkov stats summary\n  cherenkov stats layers\n  cherenkov stats experts 7\n  \
+            cherenkov stats layers --json\n  cherenkov stats summary --url http://10.0.0.5:9000"
+    )]
+    Stats(stats::StatsCommand),
+    /// A live terminal dashboard of a running server (refreshes about once a second).
+    #[command(
+        long_about = "A terminal dashboard of a running `cherenkov serve`: a summary (tokens/s, hit rate, reads, \
+            time split, prefix cache, MTP), a sparkline of generated tokens per second over the last minute, \
+            and a table of the MoE layers (hit rate, reads, bytes, read latency, waiting, residency, \
+            lookahead). Up/Down select a row, PageUp/PageDown page, Enter opens the selected layer's experts, \
+            Escape returns, q quits. When the server stops answering it shows \"waiting for the server at \
+            URL\" and reconnects when one answers again. The server is chosen as for `cherenkov stats`.",
+        after_help = "Examples:\n  cherenkov dash\n  cherenkov dash --port 9000\n  cherenkov dash --url http://10.0.0.5:8080 --interval 2"
+    )]
+    Dash(dash::DashArgs),
 }
 
 fn dispatch(command: &Command, out: &mut dyn Write) -> Result<()> {
@@ -188,6 +218,8 @@ fn dispatch(command: &Command, out: &mut dyn Write) -> Result<()> {
         Command::Inspect(a) => inspect::run(a, out),
         Command::Synth(a) => synth::run(a, out),
         Command::Serve(a) => serve::run(a, out),
+        Command::Stats(c) => stats::run(c, out),
+        Command::Dash(a) => dash::run(a, out),
     }
 }
 

@@ -9,7 +9,7 @@ use cherenkov_engine::chat::{ChatTemplate, Message, eos_token_ids};
 use cherenkov_engine::generate::{GenerateOptions, Generation, generate};
 use cherenkov_engine::residency::format_bytes;
 use cherenkov_engine::sampling::SamplingParams;
-use cherenkov_engine::stats::PoolStats;
+use cherenkov_engine::stats::{ForwardStats, PoolStats};
 use cherenkov_engine::tokenizer::Tokenizer;
 use cherenkov_registry::Registry;
 
@@ -153,6 +153,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
     let mut session = model.new_session();
     eprintln!("backend: {}", model.name());
     let before = model.pool_stats();
+    let forward_before = model.forward_stats();
     let mut write_err = None;
     let generation = generate(model, &mut session, &ids, &tok, &opts, &mut |text| {
         let r = out.write_all(text.as_bytes()).and_then(|_| out.flush());
@@ -170,10 +171,27 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
     writeln!(out)?;
     let stats = model.pool_stats();
     eprintln!("{}", summary(&generation, &before, &stats));
+    if let (Some(a), Some(b)) = (forward_before, model.forward_stats()) {
+        eprintln!("{}", time_split(&b.since(&a)));
+    }
     if args.layers {
         eprintln!("{stats}");
     }
     Ok(())
+}
+
+/// Where the forwards' time went: `[time: 1234 ms in 25 forwards: dense 61%, routed experts 35%,
+/// waiting on reads 4%]`.
+pub fn time_split(f: &ForwardStats) -> String {
+    let share = |ns: u64| if f.total_ns > 0 { 100.0 * ns as f64 / f.total_ns as f64 } else { 0.0 };
+    format!(
+        "[time: {:.0} ms in {} forwards: dense {:.0}%, routed experts {:.0}%, waiting on reads {:.0}%]",
+        f.total_ns as f64 / 1e6,
+        f.forwards,
+        share(f.dense_ns()),
+        share(f.experts_ns),
+        share(f.wait_ns)
+    )
 }
 
 /// One paragraph: tokens and speeds, then what the expert cache did.

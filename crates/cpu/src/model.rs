@@ -11,7 +11,7 @@ use anyhow::{Context, Result, bail};
 use cherenkov_engine::backend::{Backend, Logits};
 use cherenkov_engine::residency::{ExpertPool, HostSlots};
 use cherenkov_engine::routing::SkewedRouting;
-use cherenkov_engine::stats::PoolStats;
+use cherenkov_engine::stats::{ExpertStats, ForwardStats, PoolStats};
 use cherenkov_model::config::TextConfig;
 use cherenkov_model::ngram::NgramHash;
 use cherenkov_model::store::Store;
@@ -84,6 +84,7 @@ impl CpuModel {
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
             bail!("token id {bad} is outside the vocabulary (vocab_size {})", c.vocab_size);
         }
+        let clock = cherenkov_engine::stats::ENABLED.then(std::time::Instant::now);
         let (h, width) = (c.hidden_size, c.hc_hidden());
         let t = tokens.len();
         let embed = self.weights.embed_tokens.lin(store);
@@ -145,6 +146,9 @@ impl CpuModel {
         let lm = self.weights.lm_head.lin(store);
         let mut logits = vec![0f32; (rows.len() / width) * lm.rows()];
         lm.forward(&mixed, &mut logits);
+        if let Some(c) = clock {
+            self.pool.record_forward(t as u64, c.elapsed().as_nanos() as u64);
+        }
         Ok(logits)
     }
 }
@@ -178,5 +182,13 @@ impl Backend for CpuModel {
 
     fn pool_stats(&self) -> PoolStats {
         self.pool.stats()
+    }
+
+    fn forward_stats(&self) -> Option<ForwardStats> {
+        cherenkov_engine::stats::ENABLED.then(|| self.pool.forward_stats())
+    }
+
+    fn expert_stats(&self, layer: usize) -> Option<Vec<ExpertStats>> {
+        self.pool.expert_stats(layer)
     }
 }

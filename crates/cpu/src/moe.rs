@@ -7,6 +7,8 @@
 //! while the misses are read. Each (row, expert) contribution is kept apart and summed in top-k
 //! order at the end, so the result does not depend on which experts happened to be resident.
 
+use std::time::Instant;
+
 use anyhow::Result;
 use cherenkov_engine::residency::{ExpertPool, HostSlots};
 use cherenkov_engine::routing::{SkewedRouting, top_k};
@@ -109,11 +111,23 @@ pub fn forward(
             f(&experts);
         }
         let entries = lease.entries();
+        // Statistics: host clocks around the expert loop and around waits for records not yet
+        // loaded, so the pool can split expert compute from waiting (skipped in a no-stats build).
+        let clock = cherenkov_engine::stats::ENABLED.then(Instant::now);
+        let mut waited = std::time::Duration::ZERO;
         // Resident experts first, while the misses are read.
         let order =
             (0..entries.len()).filter(|&i| entries[i].hit).chain((0..entries.len()).filter(|&i| !entries[i].hit));
         for i in order {
-            let rec = lease.bytes(i)?;
+            let rec = match clock {
+                Some(_) if !lease.is_ready(i) => {
+                    let t = Instant::now();
+                    let rec = lease.bytes(i);
+                    waited += t.elapsed();
+                    rec?
+                }
+                _ => lease.bytes(i)?,
+            };
             let entry = &entries[i];
             let gate = Linear::from_record(rec, &layout.gate_proj)?;
             let up = Linear::from_record(rec, &layout.up_proj)?;
@@ -133,6 +147,9 @@ pub fn forward(
                     *d = p * v;
                 }
             }
+        }
+        if let Some(t) = clock {
+            pool.record_compute(w.expert_slot, t.elapsed().saturating_sub(waited).as_nanos() as u64);
         }
     }
 

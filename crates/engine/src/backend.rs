@@ -6,7 +6,7 @@
 
 use anyhow::Result;
 
-use crate::stats::PoolStats;
+use crate::stats::{ExpertStats, ForwardStats, PoolStats};
 
 /// Which logits a forward step returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,4 +44,38 @@ pub trait Backend: Send + Sync {
 
     /// The expert pool's counters.
     fn pool_stats(&self) -> PoolStats;
+
+    /// Runs `tokens` like [`Backend::forward`] and returns only the `k` largest logits of the last
+    /// one, as (id, logit) in descending order (ties to the lower id): all a greedy or top-k sampler
+    /// needs. Backends that can choose them where the logits live (CUDA) avoid copying the whole
+    /// vocabulary back; the default selects them from the full logits.
+    fn forward_top(&self, s: &mut Self::Session, tokens: &[u32], k: usize) -> Result<Vec<(u32, f32)>> {
+        let logits = self.forward(s, tokens, Logits::Last)?;
+        Ok(top_of(&logits, k))
+    }
+
+    /// The forwards so far and where their time went (dense, routed experts, waiting on reads).
+    /// Cheap (no lock), so callers may take it around every step. `None`: not measured.
+    fn forward_stats(&self) -> Option<ForwardStats> {
+        None
+    }
+
+    /// Every expert of MoE layer `layer`: its counters and whether it is resident. `None` when
+    /// the layer is outside the model or the backend has no expert pool.
+    fn expert_stats(&self, _layer: usize) -> Option<Vec<ExpertStats>> {
+        None
+    }
+}
+
+/// The `k` largest of `logits` as (id, logit), descending, ties to the lower id.
+pub fn top_of(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    let k = k.min(idx.len());
+    let cmp = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+    if k < idx.len() {
+        idx.select_nth_unstable_by(k, cmp);
+        idx.truncate(k);
+    }
+    idx.sort_by(cmp);
+    idx.into_iter().map(|i| (i, logits[i as usize])).collect()
 }

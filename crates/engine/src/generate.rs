@@ -128,9 +128,10 @@ pub fn generate<B: Backend>(
 ) -> Result<Generation> {
     opts.sampling.validate()?;
     let mut sampler = Sampler::new(opts.sampling.clone());
+    let mut next = NextToken::new(backend, tokenizer, &sampler);
     let mut timing = Timing { prompt_tokens: prompt.len(), ..Timing::default() };
     let t0 = Instant::now();
-    let mut logits = backend.forward(session, prompt, Logits::Last)?;
+    next.forward(backend, session, prompt)?;
     timing.prefill_secs = t0.elapsed().as_secs_f64();
 
     let mut decoder = tokenizer.stream_decoder(true);
@@ -151,16 +152,11 @@ pub fn generate<B: Backend>(
         }
         if !tokens.is_empty() {
             let ts = Instant::now();
-            logits = backend.forward(session, &tokens[tokens.len() - 1..], Logits::Last)?;
+            next.forward(backend, session, &tokens[tokens.len() - 1..])?;
             timing.decode_secs += ts.elapsed().as_secs_f64();
             timing.decode_steps += 1;
         }
-        // Rows past the tokenizer's vocabulary are padding of the embedding: never sample them.
-        if logits.len() > tokenizer.vocab_size() {
-            logits[tokenizer.vocab_size()..].fill(f32::NEG_INFINITY);
-        }
-        // Penalties count generated tokens only (OpenAI semantics).
-        let tok = sampler.sample(&logits, &tokens);
+        let tok = next.sample(&mut sampler, &tokens)?;
         if opts.stop_tokens.contains(&tok) {
             break FinishReason::Stop;
         }
@@ -184,6 +180,55 @@ pub fn generate<B: Backend>(
     }
     timing.completion_tokens = tokens.len();
     Ok(Generation { tokens, text, finish, timing, seed: sampler.seed() })
+}
+
+/// One forward's output, in the form the sampler needs: the few largest logits when that is all
+/// it looks at (greedy or small top-k without penalties; the backend picks them where the logits
+/// live), else every logit.
+struct NextToken {
+    vocab: usize,
+    /// Candidates to ask the backend for: what the sampler needs plus the padding rows past the
+    /// tokenizer's vocabulary, which may be among the largest and are dropped. `None`: full logits.
+    ask: Option<usize>,
+    needed: usize,
+    logits: Vec<f32>,
+    candidates: Vec<(u32, f32)>,
+}
+
+impl NextToken {
+    fn new<B: Backend>(backend: &B, tokenizer: &Tokenizer, sampler: &Sampler) -> Self {
+        let vocab = tokenizer.vocab_size();
+        let padding = backend.vocab_size().saturating_sub(vocab);
+        let needed = sampler.candidates_needed().unwrap_or(0);
+        let ask = sampler.candidates_needed().map(|k| k + padding).filter(|&k| k <= 256);
+        Self { vocab, ask, needed, logits: Vec::new(), candidates: Vec::new() }
+    }
+
+    fn forward<B: Backend>(&mut self, backend: &B, session: &mut B::Session, tokens: &[u32]) -> Result<()> {
+        match self.ask {
+            Some(k) => {
+                self.candidates = backend.forward_top(session, tokens, k)?;
+                self.candidates.retain(|c| (c.0 as usize) < self.vocab);
+                self.candidates.truncate(self.needed);
+            }
+            None => {
+                self.logits = backend.forward(session, tokens, Logits::Last)?;
+                // Rows past the tokenizer's vocabulary are padding of the embedding: never sample them.
+                if self.logits.len() > self.vocab {
+                    self.logits[self.vocab..].fill(f32::NEG_INFINITY);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Penalties count `generated` tokens only (OpenAI semantics).
+    fn sample(&self, sampler: &mut Sampler, generated: &[u32]) -> Result<u32> {
+        match self.ask {
+            Some(_) => sampler.sample_candidates(&self.candidates),
+            None => sampler.try_sample(&self.logits, generated),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -59,7 +59,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, anyhow, bail};
 use cherenkov_model::store::Store;
 
-use crate::stats::{PoolCounters, PoolStats, SlotGauges};
+use crate::stats::{ExpertStats, ForwardStats, LayerInfo, PoolCounters, PoolStats, Residency, Served, SlotGauges};
 
 /// Alignment of host slot memory (a page; records are 4 KiB multiples, so every slot is aligned).
 pub const SLOT_ALIGN: usize = 4096;
@@ -337,7 +337,7 @@ impl Inner {
         let (_, s) = self.lru.pop_first()?;
         let old = self.slots[s].key;
         self.map.remove(&old);
-        counters.record_eviction(old.0);
+        counters.record_eviction(old.0, old.1);
         Some(s)
     }
 
@@ -411,6 +411,8 @@ pub struct ExpertPool<M: SlotMemory> {
     num_experts: usize,
     slot_count: usize,
     record_bytes: usize,
+    /// Name and record precision per MoE layer, for statistics.
+    info: Vec<LayerInfo>,
 }
 
 /// One expert of a lease.
@@ -473,8 +475,9 @@ impl<M: SlotMemory> ExpertPool<M> {
             inner: Mutex::new(inner),
             work: Condvar::new(),
             done: Condvar::new(),
-            counters: PoolCounters::new(layers),
+            counters: PoolCounters::new(layers, num_experts),
         });
+        let info = layer_info(&shared.store);
         let mut pool = ExpertPool {
             shared,
             trace: Mutex::new(None),
@@ -483,6 +486,7 @@ impl<M: SlotMemory> ExpertPool<M> {
             num_experts,
             slot_count,
             record_bytes,
+            info,
         };
         for i in 0..io_threads {
             let shared = Arc::clone(&pool.shared);
@@ -589,10 +593,12 @@ impl<M: SlotMemory> ExpertPool<M> {
                 let ticket = match slot.state {
                     State::Ready => {
                         hits += 1;
+                        self.shared.counters.record_routed(layer, e, Served::Hit);
                         None
                     }
                     State::Loading => {
                         inflight += 1;
+                        self.shared.counters.record_routed(layer, e, Served::Inflight);
                         slot.ticket.clone()
                     }
                     State::Free => unreachable!("free slots are not in the map"),
@@ -609,6 +615,7 @@ impl<M: SlotMemory> ExpertPool<M> {
                 let s = inner.take_slot(&self.shared.counters).expect("capacity was checked above");
                 let (generation, ticket) = inner.start_load(s, layer, e, 1, base + i as u64 + 1);
                 misses += 1;
+                self.shared.counters.record_routed(layer, e, Served::Miss);
                 entries[i] = LeaseEntry { expert: e, slot: s, hit: false };
                 pins[i] = Some(Pin { generation, ticket: Some(ticket) });
             }
@@ -678,6 +685,7 @@ impl<M: SlotMemory> ExpertPool<M> {
                 inner.tick += 1;
                 let last_use = inner.tick;
                 inner.start_load(s, layer, e, 0, last_use);
+                self.shared.counters.record_expert_prefetch(layer, e);
                 queued += 1;
             }
         }
@@ -692,7 +700,8 @@ impl<M: SlotMemory> ExpertPool<M> {
     pub fn record_lookahead(&self, layer: usize, predicted: &[usize], actual: &[usize]) {
         if layer < self.layers {
             let correct = actual.iter().filter(|e| predicted.contains(e)).count();
-            self.shared.counters.record_lookahead(layer, actual.len() as u64, correct as u64);
+            let (predicted, actual) = (predicted.len() as u64, actual.len() as u64);
+            self.shared.counters.record_lookahead(layer, predicted, actual, correct as u64);
         }
     }
 
@@ -724,7 +733,52 @@ impl<M: SlotMemory> ExpertPool<M> {
             }
             gauges.blocked_acquires = inner.blocked;
         }
-        self.shared.counters.snapshot(&resident, gauges)
+        let mut stats = self.shared.counters.snapshot(&resident, gauges);
+        stats.info = self.info.clone();
+        stats
+    }
+
+    /// Name and record precision of each MoE layer.
+    pub fn layer_info(&self) -> &[LayerInfo] {
+        &self.info
+    }
+
+    /// The counters and residency of every expert of `layer`; `None` when the layer is outside
+    /// the store.
+    pub fn expert_stats(&self, layer: usize) -> Option<Vec<ExpertStats>> {
+        if layer >= self.layers {
+            return None;
+        }
+        let mut state = vec![Residency::Absent; self.num_experts];
+        {
+            let inner = self.shared.lock();
+            for s in inner.slots.iter().filter(|s| s.key.0 == layer) {
+                match s.state {
+                    State::Free => {}
+                    State::Loading => state[s.key.1] = Residency::Loading,
+                    State::Ready => state[s.key.1] = Residency::Resident,
+                }
+            }
+        }
+        Some(self.shared.counters.expert_snapshot(layer, &state, self.record_bytes as u64))
+    }
+
+    /// A backend's step spent `ns` computing routed experts of `layer` (waits excluded).
+    pub fn record_compute(&self, layer: usize, ns: u64) {
+        if layer < self.layers {
+            self.shared.counters.record_compute(layer, ns);
+        }
+    }
+
+    /// A backend ran one forward of `tokens` tokens in `ns`.
+    pub fn record_forward(&self, tokens: u64, ns: u64) {
+        self.shared.counters.record_forward(tokens, ns);
+    }
+
+    /// The forwards recorded with [`ExpertPool::record_forward`] and where their time went (no
+    /// lock: cheap enough to take around every step).
+    pub fn forward_stats(&self) -> ForwardStats {
+        self.shared.counters.forward_stats()
     }
 
     /// Zeroes the counters (what is resident stays).
@@ -742,6 +796,21 @@ impl<M: SlotMemory> Drop for ExpertPool<M> {
             let _ = t.join();
         }
     }
+}
+
+/// Name and record precision of each MoE layer of `store`.
+fn layer_info(store: &Store) -> Vec<LayerInfo> {
+    store
+        .manifest
+        .experts
+        .layers
+        .iter()
+        .map(|l| {
+            let [g, u, d] = l.matrices().map(|m| m.precision.label());
+            let precision = if g == u && u == d { g } else { format!("gate_proj {g}, up_proj {u}, down_proj {d}") };
+            LayerInfo { name: l.layer.clone(), precision }
+        })
+        .collect()
 }
 
 fn io_loop<M: SlotMemory>(shared: &Shared<M>) {
@@ -773,7 +842,7 @@ fn io_loop<M: SlotMemory>(shared: &Shared<M>) {
             Err(anyhow!("the slot loader panicked: {what}"))
         });
         let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        shared.counters.record_read(layer, record_bytes, ns, result.is_ok());
+        shared.counters.record_read(layer, expert, record_bytes, ns, result.is_ok());
 
         let mut guard = shared.lock();
         let inner = &mut *guard;

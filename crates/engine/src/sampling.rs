@@ -11,7 +11,7 @@
 use std::cmp::Ordering;
 use std::collections::HashMap;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 use serde::{Deserialize, Serialize};
@@ -173,6 +173,35 @@ impl Sampler {
         self.sample_tempered(logits.len())
     }
 
+    /// How many of the largest logits this sampler needs to see, when that is all it needs:
+    /// 1 for greedy decoding, `top_k` for small top-k sampling, `None` when it needs every logit
+    /// (penalties, or no top-k). A backend can then return just those
+    /// ([`Backend::forward_top`](crate::backend::Backend::forward_top)).
+    pub fn candidates_needed(&self) -> Option<usize> {
+        const MAX_CANDIDATES: usize = 64;
+        if self.params.has_penalties() {
+            return None;
+        }
+        if self.params.temperature == 0.0 {
+            return Some(1);
+        }
+        (1..=MAX_CANDIDATES).contains(&self.params.top_k).then_some(self.params.top_k)
+    }
+
+    /// Picks a token from the `k` largest logits only, as (id, logit) in descending order with
+    /// ties to the lower id, where `k` is at least [`candidates_needed`](Self::candidates_needed).
+    /// Picks the same token, and advances the generator the same way, as
+    /// [`try_sample`](Self::try_sample) on the full logits would.
+    pub fn sample_candidates(&mut self, candidates: &[(u32, f32)]) -> Result<u32> {
+        let needed = self.candidates_needed().context("sampling: this sampler needs the full logits")?;
+        if candidates.len() < needed {
+            bail!("sampling: {} candidate logits given, the sampler needs {needed}", candidates.len());
+        }
+        let logits: Vec<f32> = candidates.iter().map(|c| c.1).collect();
+        let at = self.try_sample(&logits, &[])?;
+        Ok(candidates[at as usize].0)
+    }
+
     fn sample_tempered(&mut self, vocab: usize) -> Result<u32> {
         let cands = &mut self.candidates;
         cands.clear();
@@ -190,6 +219,9 @@ impl Sampler {
         if k > 0 && k < cands.len() {
             cands.select_nth_unstable_by(k - 1, by_logit_desc);
             cands.truncate(k);
+            // A fixed order for the draw below, so sampling from these candidates alone
+            // ([`sample_candidates`](Self::sample_candidates)) picks the same token.
+            cands.sort_unstable_by(by_logit_desc);
         }
 
         // Unnormalized probabilities relative to the best token (which gets weight 1), in f64 so

@@ -561,13 +561,23 @@ fn sizes_parse_as_powers_of_1024() {
 fn latency_buckets() {
     use cherenkov_engine::stats::{LATENCY_BUCKETS, latency_bucket, latency_bucket_label};
     assert_eq!(LATENCY_BUCKETS, 12);
-    let cases = [(0, 0), (49_999, 0), (50_000, 1), (999_999, 4), (1_000_000, 5), (99_999_999, 10), (u64::MAX, 11)];
+    // Bounds are inclusive, like Prometheus' `le`.
+    let cases = [
+        (0, 0),
+        (50_000, 0),
+        (50_001, 1),
+        (1_000_000, 4),
+        (1_000_001, 5),
+        (100_000_000, 10),
+        (100_000_001, 11),
+        (u64::MAX, 11),
+    ];
     for (ns, bucket) in cases {
         assert_eq!(latency_bucket(ns), bucket, "{ns} ns");
     }
-    assert_eq!(latency_bucket_label(0), "<50us");
-    assert_eq!(latency_bucket_label(5), "<2.5ms");
-    assert_eq!(latency_bucket_label(11), ">=100ms");
+    assert_eq!(latency_bucket_label(0), "<=50us");
+    assert_eq!(latency_bucket_label(5), "<=2.5ms");
+    assert_eq!(latency_bucket_label(11), ">100ms");
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! Sampling: greedy, reproducibility, truncation, the drawn distribution, penalties, masked
 //! logits, and the log-probability helpers.
 
+use cherenkov_engine::backend::top_of;
 use cherenkov_engine::sampling::{Sampler, SamplingParams, log_softmax, top_logprobs};
 
 fn params(temperature: f32, top_p: f32, top_k: usize, seed: u64) -> SamplingParams {
@@ -282,4 +283,28 @@ fn log_softmax_and_top_logprobs() {
     // Zero-probability tokens are not listed; n beyond the vocabulary is fine.
     assert_eq!(top_logprobs(&l, 10).len(), 4);
     assert!(top_logprobs(&l, 0).is_empty());
+}
+
+#[test]
+fn sampling_from_the_top_candidates_matches_sampling_from_all_logits() {
+    let vocab = 500;
+    for (t, k) in [(0.0, 0), (0.7, 1), (1.0, 5), (1.3, 40), (0.9, 64)] {
+        for seed in 0..20 {
+            let p = SamplingParams { top_p: if seed % 2 == 0 { 1.0 } else { 0.8 }, ..params(t, 1.0, k, seed) };
+            let mut full = Sampler::new(p.clone());
+            let mut top = Sampler::new(p);
+            let need = top.candidates_needed().expect("greedy and small top-k need only candidates");
+            for step in 0..30 {
+                // Quantized logits make ties common, to check they break the same way.
+                let logits: Vec<f32> =
+                    logits(vocab, seed as u32 * 31 + step).iter().map(|l| (l * 2.0).round()).collect();
+                let want = full.sample(&logits, &[]);
+                let got = top.sample_candidates(&top_of(&logits, need)).unwrap();
+                assert_eq!(got, want, "temperature {t}, top_k {k}, seed {seed}, step {step}");
+            }
+        }
+    }
+    let penalized = Sampler::new(SamplingParams { presence_penalty: 0.5, ..params(0.0, 1.0, 0, 1) });
+    assert_eq!(penalized.candidates_needed(), None, "penalties need every logit");
+    assert_eq!(Sampler::new(params(1.0, 1.0, 0, 1)).candidates_needed(), None, "no top-k needs every logit");
 }

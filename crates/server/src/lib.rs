@@ -6,6 +6,7 @@
 //!   and the counters; [`scheduler`]: the inference thread, which interleaves up to
 //!   `scheduler.max_active` requests one forward at a time; [`decode`]: one request's sampling and
 //!   stop conditions; [`prefix_cache`]: session snapshots keyed by token prefix.
+//! - [`stats`]: the step log and the statistics documents (`/v1/stats/...`, `/metrics`).
 //! - [`config`]: the TOML configuration, command-line overrides, `SIGHUP` reloads.
 //!
 //! Forwards run only on the inference thread, never on the async runtime. `docs/server.md`
@@ -24,6 +25,7 @@ pub mod respond;
 pub mod routes;
 pub mod scheduler;
 pub mod spec;
+pub mod stats;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -77,8 +79,7 @@ impl Server {
             .with_context(|| format!("cannot listen on {}:{}", c.host, c.port))?;
         let shared = Shared::new(options.config.clone());
         let inference = scheduler::spawn(backend.clone(), spec.tokenizer.clone(), shared.clone());
-        let pool_stats = Box::new(move || backend.pool_stats());
-        let app = App(Arc::new(AppInner { shared, spec, api_key: options.api_key.clone(), pool_stats }));
+        let app = App(Arc::new(AppInner { shared, spec, api_key: options.api_key.clone(), backend }));
         let hangups = signal(SignalKind::hangup())
             .map_err(|e| eprintln!("config: cannot listen for SIGHUP ({e}); reloading is off"))
             .ok();

@@ -61,6 +61,8 @@ pub struct Hit<S> {
 
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct CacheStats {
+    /// Whether the cache is on (configured, and the backend reports session sizes).
+    pub enabled: bool,
     pub entries: usize,
     pub session_entries: usize,
     pub sessions: usize,
@@ -209,6 +211,7 @@ impl<S: Clone> PrefixCache<S> {
         s.session_entries = self.entries.len() - s.entries;
         s.sessions = self.sessions().len();
         s.bytes = self.bytes();
+        s.enabled = self.policy.enabled;
         s
     }
 

@@ -1,5 +1,5 @@
 //! The hand-over point between the HTTP handlers and the inference thread: a bounded queue of jobs,
-//! session deletions, the live configuration, and the counters `/status` reports.
+//! session deletions, the live configuration, and the counters `/status` and `/v1/stats` report.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -13,6 +13,7 @@ use crate::config::Config;
 use crate::error::ApiError;
 use crate::job::Job;
 use crate::prefix_cache::CacheStats;
+use crate::stats::StepLog;
 
 /// The configuration in force; a reload swaps it whole, and readers take a cheap `Arc`.
 pub struct Live {
@@ -91,6 +92,8 @@ pub struct Shared {
     pub counters: Counters,
     pub live: Live,
     cache_stats: Mutex<CacheStats>,
+    /// The forwards the inference thread ran (`/v1/stats`).
+    pub steps: StepLog,
 }
 
 /// What the inference thread takes from the queue in one go.
@@ -109,6 +112,7 @@ impl Shared {
             counters: Counters::default(),
             live: Live::new(config),
             cache_stats: Mutex::new(CacheStats::default()),
+            steps: StepLog::new(),
         })
     }
 

@@ -1,5 +1,6 @@
 //! The HTTP surface: routes, the API key check, body limits, and the small endpoints
-//! (`/v1/models`, `/v1/sessions/{id}`, `/status`, `/health`).
+//! (`/v1/models`, `/v1/sessions/{id}`, `/status`, `/health`, and the statistics: `/v1/stats/...`,
+//! `/metrics`).
 
 use std::sync::Arc;
 
@@ -10,12 +11,12 @@ use axum::http::{HeaderMap, Method, Uri, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
-use cherenkov_engine::stats::PoolStats;
 use serde_json::json;
 
 use crate::error::ApiError;
 use crate::queue::Shared;
 use crate::spec::ModelSpec;
+use crate::stats::{self, StatsSource};
 use crate::{chat, completions};
 
 pub struct AppInner {
@@ -23,8 +24,8 @@ pub struct AppInner {
     pub spec: ModelSpec,
     /// Required as `Authorization: Bearer <key>` when set.
     pub api_key: Option<String>,
-    /// The backend's expert-pool counters, for `/status`.
-    pub pool_stats: Box<dyn Fn() -> PoolStats + Send + Sync>,
+    /// The backend's counters, for `/status`, `/v1/stats` and `/metrics`.
+    pub backend: Arc<dyn StatsSource>,
 }
 
 /// The state every handler gets (cheap to clone).
@@ -46,6 +47,11 @@ pub fn router(app: App) -> Router {
         .route("/v1/completions", post(text_completions))
         .route("/v1/sessions/{id}", delete(delete_session))
         .route("/status", get(status))
+        .route("/v1/stats/summary", get(stats_summary))
+        .route("/v1/stats/layers", get(stats_layers))
+        .route("/v1/stats/layers/{layer}/experts", get(stats_experts))
+        .route("/v1/stats/steps", get(stats_steps))
+        .route("/metrics", get(metrics))
         .route_layer(middleware::from_fn_with_state(app.clone(), authorize));
     Router::new()
         .merge(api)
@@ -145,9 +151,52 @@ async fn delete_session(State(app): State<App>, Path(id): Path<String>) -> Respo
 
 async fn status(State(app): State<App>) -> Response {
     let mut v = serde_json::to_value(app.shared.status()).unwrap_or_default();
-    v["expert_cache"] = serde_json::to_value((app.pool_stats)().total).unwrap_or_default();
+    v["expert_cache"] = serde_json::to_value(app.backend.pool_stats().total).unwrap_or_default();
     v["model"] = json!(app.spec.names);
     axum::Json(v).into_response()
+}
+
+fn stats_inputs(app: &App) -> stats::Inputs<'_> {
+    stats::Inputs {
+        backend: app.spec.backend,
+        models: &app.spec.names,
+        status: app.shared.status(),
+        pool: app.backend.pool_stats(),
+        forward: app.backend.forward_stats(),
+        log: &app.shared.steps,
+    }
+}
+
+async fn stats_summary(State(app): State<App>) -> Response {
+    axum::Json(stats::summary(stats_inputs(&app))).into_response()
+}
+
+async fn stats_layers(State(app): State<App>) -> Response {
+    axum::Json(stats::layers(&app.backend.pool_stats())).into_response()
+}
+
+async fn stats_experts(State(app): State<App>, Path(layer): Path<String>) -> Response {
+    let pool = app.backend.pool_stats();
+    let n = pool.layers.len();
+    let not_found = || {
+        ApiError::not_found(format!("No MoE layer `{layer}`: the model has {n} (0 to {})", n.saturating_sub(1)))
+            .param("layer")
+            .into_response()
+    };
+    let Ok(l) = layer.parse::<usize>() else { return not_found() };
+    match app.backend.expert_stats(l) {
+        Some(experts) if l < n => axum::Json(stats::experts(&pool, l, experts)).into_response(),
+        _ => not_found(),
+    }
+}
+
+async fn stats_steps(State(app): State<App>) -> Response {
+    axum::Json(stats::steps(&app.shared.steps)).into_response()
+}
+
+async fn metrics(State(app): State<App>) -> Response {
+    let text = stats::prometheus(stats_inputs(&app));
+    ([(header::CONTENT_TYPE, stats::PROMETHEUS_CONTENT_TYPE)], text).into_response()
 }
 
 #[cfg(test)]

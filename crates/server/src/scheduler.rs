@@ -29,6 +29,7 @@ use crate::error::ApiError;
 use crate::job::{Event, Finish, Job, TokenLogprob, Usage};
 use crate::prefix_cache::{CachePolicy, PrefixCache};
 use crate::queue::Shared;
+use crate::stats::StepKind;
 
 /// A branch point (see [`PrefixCache::shared_prefix`]) gets a snapshot when it saves at least
 /// this many tokens over what the cache restores already; shorter shared beginnings (a chat
@@ -250,7 +251,7 @@ impl<B: Backend> Scheduler<B> {
         let prompt = &a.job.prompt;
         let end = self.chunk_end(a);
         let which = if a.prompt_logprobs.is_some() { Logits::All } else { Logits::Last };
-        let out = self.backend.forward(&mut a.session, &prompt[a.pos..end], which)?;
+        let out = self.forward(StepKind::Prefill, &mut a.session, &prompt[a.pos..end], which)?;
         let vocab = out.len() / if which == Logits::All { end - a.pos } else { 1 };
         if let (Some(lps), Some(k)) = (&mut a.prompt_logprobs, a.job.params.prompt_logprobs) {
             let usable = self.tokenizer.vocab_size().min(vocab);
@@ -269,6 +270,20 @@ impl<B: Backend> Scheduler<B> {
         }
         a.logits = Some(last);
         Ok(State::Running)
+    }
+
+    /// One forward, recorded in the step log with the backend's time split over it.
+    fn forward(&self, kind: StepKind, session: &mut B::Session, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {
+        if !cherenkov_engine::stats::ENABLED {
+            return self.backend.forward(session, tokens, which);
+        }
+        let before = self.backend.forward_stats();
+        let t = Instant::now();
+        let out = self.backend.forward(session, tokens, which)?;
+        let elapsed = t.elapsed();
+        let split = before.zip(self.backend.forward_stats()).map(|(b, a)| a.since(&b));
+        self.shared.steps.record(kind, tokens.len(), elapsed, split);
+        Ok(out)
     }
 
     /// Where the chunk starting at `a.pos` ends: the prompt's end, the chunk size, or the next
@@ -317,7 +332,7 @@ impl<B: Backend> Scheduler<B> {
         }
         match step.next {
             Next::Forward(tok) => {
-                a.logits = Some(self.backend.forward(&mut a.session, &[tok], Logits::Last)?);
+                a.logits = Some(self.forward(StepKind::Decode, &mut a.session, &[tok], Logits::Last)?);
                 a.forwarded.push(tok);
                 Ok(State::Running)
             }

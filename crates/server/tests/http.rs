@@ -15,6 +15,12 @@ use serde_json::{Value, json};
 const CHAT: &str = "/v1/chat/completions";
 const COMPLETIONS: &str = "/v1/completions";
 
+/// A `logit_bias` that bans tiny-b's EOS tokens (0 and 2), for requests that must still be
+/// decoding when the test acts on them (a sampled EOS would end them early, at random).
+fn no_eos() -> Value {
+    json!({"0": -100, "2": -100})
+}
+
 #[test]
 fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
     let mut c = config();
@@ -281,7 +287,8 @@ fn a_full_queue_answers_429() {
     let addr = server.addr();
     // A long streamed completion holds the only slot while its client reads.
     let mut s = TcpStream::connect(addr).unwrap();
-    let body = json!({"model": "cherenkov", "prompt": "a", "max_tokens": 4000, "stream": true}).to_string();
+    let body = json!({"model": "cherenkov", "prompt": "a", "max_tokens": 4000, "stream": true, "logit_bias": no_eos()})
+        .to_string();
     write!(s, "POST {COMPLETIONS} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
     let mut reader = BufReader::new(s.try_clone().unwrap());
     let mut line = String::new();
@@ -309,7 +316,7 @@ fn a_full_queue_answers_429() {
 fn a_client_that_leaves_before_the_answer_is_cancelled() {
     let server = start(config());
     let addr = server.addr();
-    let body = json!({"model": "cherenkov", "prompt": "a", "max_tokens": 4000}).to_string();
+    let body = json!({"model": "cherenkov", "prompt": "a", "max_tokens": 4000, "logit_bias": no_eos()}).to_string();
     let mut s = TcpStream::connect(addr).unwrap();
     write!(s, "POST {COMPLETIONS} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
     // Wait until it decodes, then hang up without reading.
