@@ -34,4 +34,11 @@ SYN=${SYN:-/tmp/cherenkov-flash4}
   echo "## run --check on the synthetic model, expert cache of 40 records (a quarter of its 160)"
   REC=$(python3 -c "import json; print(json.load(open('$STORE/manifest.json'))['experts']['record_bytes'])")
   $BIN run flash4 "Explain hash collisions." --backend cuda --check --expert-cache $((40 * REC)) --max-tokens 16 --temperature 0
+  echo
+  echo "## generated text, CPU vs CUDA (CUDA picks greedy and top-k candidates on the device)"
+  for mode in "--temperature 0" "--temperature 0.8 --top-k 20 --seed 3"; do
+    A=$($BIN run flash4 "Explain hash collisions." --backend cpu $mode --max-tokens 16 2>/dev/null)
+    B=$($BIN run flash4 "Explain hash collisions." --backend cuda $mode --max-tokens 16 2>/dev/null)
+    if [ "$A" = "$B" ]; then echo "$mode: identical"; else printf '%s: DIFFERENT\ncpu:  %q\ncuda: %q\n' "$mode" "$A" "$B"; fi
+  done
 } 2>&1 | tee "$OUTDIR/gpu-check.txt"

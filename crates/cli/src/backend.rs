@@ -77,10 +77,10 @@ impl Backend for AnyModel {
         }
     }
 
-    fn forward_top(&self, s: &mut AnySession, tokens: &[u32], k: usize) -> Result<Vec<(u32, f32)>> {
+    fn forward_top(&self, s: &mut AnySession, tokens: &[u32], k: usize, among: usize) -> Result<Vec<(u32, f32)>> {
         match (self, s) {
-            (AnyModel::Cpu(m), AnySession::Cpu(s)) => m.forward_top(s, tokens, k),
-            (AnyModel::Cuda(m), AnySession::Cuda(s)) => m.forward_top(s, tokens, k),
+            (AnyModel::Cpu(m), AnySession::Cpu(s)) => m.forward_top(s, tokens, k, among),
+            (AnyModel::Cuda(m), AnySession::Cuda(s)) => m.forward_top(s, tokens, k, among),
             _ => anyhow::bail!("a session of one backend was given to another"),
         }
     }

@@ -260,7 +260,18 @@ pub fn block_checks(cuda: &CudaModel, cpu: &CpuModel, rng: &mut Rng, label: &str
     g.htod(sc.x.ptr, &x)?;
     cuda.hc_read(&sc, &dw.hyper_connection_mixer)?;
     dw.lm_head.matvec(g, sc.inp.ptr, sc.logits.ptr)?;
-    push("final mixer + lm_head".into(), rel_err(&read(sc.logits.ptr, lm.rows())?, &want), BLOCK_LIMIT);
+    let logits = read(sc.logits.ptr, lm.rows())?;
+    push("final mixer + lm_head".into(), rel_err(&logits, &want), BLOCK_LIMIT);
+    // Candidate selection on the device: exactly the host's choice from the same logits.
+    for k in [1, 40] {
+        g.htod(sc.logits.ptr, &logits)?;
+        // Ids from 7 on only, as a tokenizer smaller than the embedding would ask.
+        let among = c.vocab_size - 7;
+        let got = cuda.top_candidates(&sc, k, among)?;
+        let expected = cherenkov_engine::backend::top_of(&logits[..among], k);
+        let wrong = got.iter().zip(&expected).filter(|(a, b)| a.0 != b.0 || a.1.to_bits() != b.1.to_bits()).count();
+        push(format!("top-{k} candidates (fraction not identical to the host's)"), wrong as f64 / k as f64, 0.0);
+    }
     // Embedding rows.
     let embed = cw.embed_tokens.lin(store);
     let mut worst = 0f64;

@@ -37,6 +37,7 @@ pub const KERNELS: &[&str] = &[
     "gdn_conv",
     "gdn_qk_norm",
     "gdn_recurrent",
+    "gdn_recurrent_split",
     "gdn_out_norm",
     "split_q_gate",
     "qsa_pool_block",
@@ -58,6 +59,21 @@ pub const KERNELS: &[&str] = &[
     "expert_down_q6",
     "expert_down_q8",
     "moe_combine",
+    "top_candidates",
+];
+
+/// Kernels that stage their input vector in dynamic shared memory (launch with cols * 4 bytes).
+pub const STAGES_X: &[&str] = &[
+    "matvec_q2",
+    "matvec_q4",
+    "matvec_q8",
+    "matvec_float",
+    "expert_gate_up_q2",
+    "expert_gate_up_q4",
+    "expert_gate_up_q8",
+    "expert_down_q2",
+    "expert_down_q4",
+    "expert_down_q8",
 ];
 
 /// The whole program, each file preceded by a `#line` so compiler messages name the file.

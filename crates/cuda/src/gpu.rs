@@ -81,6 +81,19 @@ impl Drop for DevBuf {
     }
 }
 
+/// Rows per block for a kernel that stages its input: one row per warp (8 per block of 256 threads)
+/// while that leaves fewer than about 4 blocks per multiprocessor, more as matrices grow (up to 64),
+/// so staging stays small next to the weights without starving the GPU of blocks.
+pub fn rows_per_block(rows: usize, blocks_wanted: usize) -> usize {
+    (rows / blocks_wanted.max(1)).clamp(8, 64)
+}
+
+/// Blocks that fill an H200-class GPU a few times over (132 multiprocessors).
+pub const BLOCKS_WANTED: usize = 528;
+
+/// Largest input vector (bytes) a kernel stages in shared memory.
+pub const MAX_STAGED_X: usize = 160 << 10;
+
 /// A kernel argument, passed by value.
 #[derive(Clone, Copy, Debug)]
 pub enum Arg {
@@ -119,6 +132,19 @@ impl Gpu {
             // SAFETY: module is loaded; name is NUL-terminated.
             let f = unsafe { cu::module::get_function(module, name) }
                 .map_err(|e| anyhow::anyhow!("kernel {k} missing from the module: {e}"))?;
+            if compile::STAGES_X.contains(&k) {
+                // These stage their input vector in dynamic shared memory: allow up to 160 KiB
+                // (40960 floats; Hopper allows 227 KiB per block).
+                // SAFETY: f is a kernel of the loaded module.
+                unsafe {
+                    cu::function::set_function_attribute(
+                        f,
+                        sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        MAX_STAGED_X as i32,
+                    )
+                }
+                .map_err(|e| anyhow::anyhow!("cannot raise the shared-memory limit of {k}: {e}"))?;
+            }
             funcs.insert(k, f);
         }
         let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)

@@ -15,12 +15,12 @@ use cherenkov_cpu::weights::Weights;
 use cherenkov_engine::backend::{Backend, Logits};
 use cherenkov_engine::residency::ExpertPool;
 use cherenkov_engine::routing::top_k;
-use cherenkov_engine::stats::PoolStats;
+use cherenkov_engine::stats::{ExpertStats, ForwardStats, PoolStats};
 use cherenkov_model::config::{GateAct, TextConfig};
 use cherenkov_model::ngram::NgramHash;
 use cherenkov_model::store::{ExpertLayout, Precision, RecordMatrix, Store};
 
-use crate::gpu::{Arg, DevBuf, Gpu, blocks};
+use crate::gpu::{Arg, BLOCKS_WANTED, DevBuf, Gpu, blocks, rows_per_block};
 use crate::session::{CudaSession, MixerState};
 use crate::slots::DeviceSlots;
 use crate::weights::{DeviceWeights, HyperConnection, Mixer};
@@ -28,6 +28,18 @@ use crate::weights::{DeviceWeights, HyperConnection, Mixer};
 /// Precision tags of address-table entries.
 pub const TAG_Q3: u64 = 1 << 63;
 pub const TAG_Q2: u64 = 1 << 62;
+
+/// What a step returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Want {
+    Nothing,
+    Logits,
+    /// The `k` largest logits among ids below `among`, chosen on the device.
+    Top {
+        k: usize,
+        among: usize,
+    },
+}
 
 /// Where decode time goes (host clocks around synchronised sections).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -138,8 +150,8 @@ impl CudaModel {
             ],
             table: z((e + 2) * 8, "the expert address table")?,
             rank_entry: z(e * 4, "the expert address table")?,
-            weights: z(e * 4, "the routing weights")?,
-            ids: z(e * 4, "the routing ids")?,
+            weights: z(e.max(1024) * 4, "the routing weights")?,
+            ids: z(e.max(1024) * 4, "the routing ids")?,
             act: z(f32s(e * c.moe_intermediate_size), "expert activations")?,
             eout: z(f32s(e * c.hidden_size), "expert outputs")?,
             scores: z(f32s(c.num_attention_heads * 4096), "attention scores")?,
@@ -185,6 +197,31 @@ impl CudaModel {
 
     /// Runs tokens one at a time; logits as for the CPU backend.
     pub fn forward_tokens(&self, s: &mut CudaSession, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {
+        let all = which == Logits::All;
+        self.run_steps(s, tokens, |last| if all || last { Want::Logits } else { Want::Nothing })
+    }
+
+    /// Runs `tokens` and returns the `k` largest logits of the last one among ids below `among`, as
+    /// (id, logit), descending (ties to the lower id), chosen on the device: the host samples from
+    /// them without copying the vocabulary back. `k` is at most 1024.
+    pub fn forward_candidates(
+        &self,
+        s: &mut CudaSession,
+        tokens: &[u32],
+        k: usize,
+        among: usize,
+    ) -> Result<Vec<(u32, f32)>> {
+        let among = among.min(self.config().vocab_size);
+        let k = k.clamp(1, 1024).min(among);
+        let out = self.run_steps(s, tokens, |last| if last { Want::Top { k, among } } else { Want::Nothing })?;
+        let ids: Vec<u32> = out[..k].iter().map(|x| x.to_bits()).collect();
+        // Fewer than k logits above -inf leave ids past the vocabulary (the kernel's "none").
+        Ok(ids.into_iter().zip(out[k..].iter().copied()).filter(|&(i, _)| (i as usize) < among).collect())
+    }
+
+    /// Checks `tokens`, makes room in the session, and runs one step per token; `want(last)` says
+    /// what each step leaves in the output. Records the steps' timing and the forward.
+    fn run_steps(&self, s: &mut CudaSession, tokens: &[u32], want: impl Fn(bool) -> Want) -> Result<Vec<f32>> {
         let c = self.config();
         if tokens.is_empty() {
             bail!("forward needs at least one token");
@@ -195,21 +232,22 @@ impl CudaModel {
         s.reserve(c, s.pos + tokens.len() + 1)?;
         let mut sc = self.scratch.lock().unwrap();
         self.gpu.bind()?;
+        let call = std::time::Instant::now();
         let mut out = Vec::new();
         for (i, &tok) in tokens.iter().enumerate() {
-            let want = which == Logits::All || i + 1 == tokens.len();
             let t0 = std::time::Instant::now();
-            self.step(s, &mut sc, tok, want, &mut out)?;
+            self.step(s, &mut sc, tok, want(i + 1 == tokens.len()), &mut out)?;
             let ns = t0.elapsed().as_nanos() as u64;
             self.add_timing(|t| {
                 t.steps += 1;
                 t.total_ns += ns;
             });
         }
+        self.pool.record_forward(tokens.len() as u64, call.elapsed().as_nanos() as u64);
         Ok(out)
     }
 
-    fn step(&self, s: &mut CudaSession, sc: &mut Scratch, tok: u32, want: bool, out: &mut Vec<f32>) -> Result<()> {
+    fn step(&self, s: &mut CudaSession, sc: &mut Scratch, tok: u32, want: Want, out: &mut Vec<f32>) -> Result<()> {
         let c = self.config().clone();
         let g = &*self.gpu;
         let w = &self.weights;
@@ -236,14 +274,51 @@ impl CudaModel {
         s.ngram_context.insert(0, tok);
         s.ngram_context.truncate(c.ngram_size.saturating_sub(1));
         s.pos += 1;
-        if want {
+        if want != Want::Nothing {
             self.hc_read(sc, &w.hyper_connection_mixer)?;
             w.lm_head.matvec(g, sc.inp.ptr, sc.logits.ptr)?;
-            let mut logits = vec![0f32; c.vocab_size];
-            g.dtoh(sc.logits.ptr, &mut logits)?;
-            out.extend_from_slice(&logits);
+        }
+        match want {
+            Want::Nothing => {}
+            Want::Logits => {
+                let mut logits = vec![0f32; c.vocab_size];
+                g.dtoh(sc.logits.ptr, &mut logits)?;
+                out.extend_from_slice(&logits);
+            }
+            Want::Top { k, among } => {
+                // ids (as f32 bit patterns) then values, in `out`.
+                let top = self.top_candidates(sc, k, among)?;
+                out.extend(top.iter().map(|&(i, _)| f32::from_bits(i)));
+                out.extend(top.iter().map(|&(_, v)| v));
+            }
         }
         Ok(())
+    }
+
+    /// The `k` largest of the first `among` entries of `sc.logits` as (id, logit), descending, ties
+    /// to the lower id, chosen on the device (one block; `k` passes of an argmax). Overwrites the
+    /// chosen logits with -inf. Where fewer than `k` entries exist, the rest have id `i32::MAX`.
+    pub(crate) fn top_candidates(&self, sc: &Scratch, k: usize, among: usize) -> Result<Vec<(u32, f32)>> {
+        let g = &*self.gpu;
+        let v = among.min(self.config().vocab_size);
+        g.launch(
+            "top_candidates",
+            (1, 1, 1),
+            1024,
+            0,
+            &[
+                Arg::Ptr(sc.logits.ptr),
+                Arg::I32(v as i32),
+                Arg::I32(k as i32),
+                Arg::Ptr(sc.ids.ptr),
+                Arg::Ptr(sc.weights.ptr),
+            ],
+        )?;
+        let mut ids = vec![0u32; k];
+        let mut vals = vec![0f32; k];
+        g.dtoh(sc.ids.ptr, &mut ids)?;
+        g.dtoh(sc.weights.ptr, &mut vals)?;
+        Ok(ids.into_iter().zip(vals).collect())
     }
 
     /// The PLE block for token `tok` of decoder layer `layer`: x += ple(x).
@@ -334,11 +409,20 @@ impl CudaModel {
             0,
             &[Arg::Ptr(conv_out.ptr), Arg::I32(nk as i32), Arg::I32(dk as i32)],
         )?;
+        // Columns split over 4 threads holding their rows in registers where the head fits (the
+        // kernel's GDN_SPLIT and GDN_MAX_ROWS), else one thread per column.
+        const SPLIT: usize = 4;
+        let split = dk % SPLIT == 0 && dk / SPLIT <= 32 && dv * SPLIT <= 1024;
+        let (kernel, threads, shared) = if split {
+            ("gdn_recurrent_split", dv * SPLIT, 2 * dk + SPLIT * dv)
+        } else {
+            ("gdn_recurrent", dv.min(1024), 2 * dk)
+        };
         g.launch(
-            "gdn_recurrent",
+            kernel,
             (nv as u32, 1, 1),
-            dv.min(1024) as u32,
-            (2 * dk * 4) as u32,
+            threads as u32,
+            (shared * 4) as u32,
             &[
                 Arg::Ptr(conv_out.ptr),
                 Arg::Ptr(a.ptr),
@@ -709,11 +793,18 @@ impl CudaModel {
             _ => 1,
         };
         let off = |s: Option<cherenkov_model::store::Span>| s.map_or(0, |s| s.offset);
+        let staged = |bits_of: &RecordMatrix, n: usize| match bits_of.precision {
+            Precision::Affine { bits: 2 | 4 | 8, .. } => (n * 4) as u32,
+            _ => 0,
+        };
+        // Experts fill the GPU together: rows per block from the rows of all entries.
+        let rpb_g = rows_per_block(inter * n as usize, BLOCKS_WANTED);
+        let rpb_d = rows_per_block(h * n as usize, BLOCKS_WANTED);
         g.launch(
             &gk,
-            (blocks(inter * 32, 128), n, 1),
-            128,
-            0,
+            (blocks(inter, rpb_g), n, 1),
+            256,
+            staged(gu, h),
             &[
                 Arg::Ptr(sc.table.ptr),
                 Arg::I32(0),
@@ -722,6 +813,7 @@ impl CudaModel {
                 Arg::I32(inter as i32),
                 Arg::I32(h as i32),
                 Arg::I32(gs(gu)),
+                Arg::I32(rpb_g as i32),
                 Arg::U64(gu.data.offset),
                 Arg::U64(off(gu.scales)),
                 Arg::U64(off(gu.biases)),
@@ -732,9 +824,9 @@ impl CudaModel {
         )?;
         g.launch(
             &dk,
-            (blocks(h * 32, 128), n, 1),
-            128,
-            0,
+            (blocks(h, rpb_d), n, 1),
+            256,
+            staged(down, inter),
             &[
                 Arg::Ptr(sc.table.ptr),
                 Arg::I32(0),
@@ -743,6 +835,7 @@ impl CudaModel {
                 Arg::I32(inter as i32),
                 Arg::I32(h as i32),
                 Arg::I32(gs(down)),
+                Arg::I32(rpb_d as i32),
                 Arg::U64(down.data.offset),
                 Arg::U64(off(down.scales)),
                 Arg::U64(off(down.biases)),
@@ -768,6 +861,7 @@ impl CudaModel {
         g.sync()?;
         drop(lease);
         let experts_ns = te.elapsed().as_nanos() as u64;
+        self.pool.record_compute(m.expert_slot, experts_ns);
         self.add_timing(|t| {
             t.wait_ns += wait_ns;
             t.experts_ns += experts_ns;
@@ -854,5 +948,17 @@ impl Backend for CudaModel {
 
     fn pool_stats(&self) -> PoolStats {
         self.pool.stats()
+    }
+
+    fn forward_top(&self, s: &mut CudaSession, tokens: &[u32], k: usize, among: usize) -> Result<Vec<(u32, f32)>> {
+        self.forward_candidates(s, tokens, k, among)
+    }
+
+    fn forward_stats(&self) -> Option<ForwardStats> {
+        cherenkov_engine::stats::ENABLED.then(|| self.pool.forward_stats())
+    }
+
+    fn expert_stats(&self, layer: usize) -> Option<Vec<ExpertStats>> {
+        self.pool.expert_stats(layer)
     }
 }

@@ -11,7 +11,7 @@ use cherenkov_cpu::weights as cw;
 use cherenkov_model::DType;
 use cherenkov_model::store::{Precision, Store};
 
-use crate::gpu::{Arg, DevBuf, Gpu, blocks};
+use crate::gpu::{Arg, BLOCKS_WANTED, DevBuf, Gpu, MAX_STAGED_X, blocks, rows_per_block};
 
 /// A linear weight `[rows, cols]` in device memory.
 #[derive(Clone, Copy, Debug)]
@@ -27,14 +27,27 @@ pub struct DevLinear {
 impl DevLinear {
     /// y = W x (x: cols floats, y: rows floats), one warp per row.
     pub fn matvec(&self, gpu: &Gpu, x: u64, y: u64) -> Result<()> {
-        let threads = 128;
-        let grid = (blocks(self.rows * 32, threads), 1, 1);
+        // Kernels that stage x cover `rpb` rows per block of 8 warps; the others one row per warp.
+        let staged_kernel = match self.precision {
+            Precision::Affine { bits, .. } => matches!(bits, 2 | 4 | 8),
+            Precision::Float { .. } => true,
+        };
+        let rpb = rows_per_block(self.rows, BLOCKS_WANTED);
+        let (threads, grid) = if staged_kernel {
+            (256, (blocks(self.rows, rpb), 1, 1))
+        } else {
+            (128, (blocks(self.rows * 32, 128), 1, 1))
+        };
+        let staged = (self.cols * 4) as u32;
+        if self.cols * 4 > MAX_STAGED_X {
+            bail!("a linear of {} inputs is wider than the kernels' staging limit", self.cols);
+        }
         match self.precision {
             Precision::Affine { bits, group_size } => gpu.launch(
                 &format!("matvec_q{bits}"),
                 grid,
                 threads as u32,
-                0,
+                if matches!(bits, 2 | 4 | 8) { staged } else { 0 },
                 &[
                     Arg::Ptr(self.data),
                     Arg::Ptr(self.scales),
@@ -44,13 +57,14 @@ impl DevLinear {
                     Arg::I32(self.rows as i32),
                     Arg::I32(self.cols as i32),
                     Arg::I32(group_size as i32),
+                    Arg::I32(rpb as i32),
                 ],
             ),
             Precision::Float { dtype } => gpu.launch(
                 "matvec_float",
                 grid,
                 threads as u32,
-                0,
+                staged,
                 &[
                     Arg::Ptr(self.data),
                     Arg::Ptr(x),
@@ -58,6 +72,7 @@ impl DevLinear {
                     Arg::I32(self.rows as i32),
                     Arg::I32(self.cols as i32),
                     Arg::I32(dtype_code(dtype)?),
+                    Arg::I32(rpb as i32),
                 ],
             ),
         }

@@ -46,12 +46,13 @@ pub trait Backend: Send + Sync {
     fn pool_stats(&self) -> PoolStats;
 
     /// Runs `tokens` like [`Backend::forward`] and returns only the `k` largest logits of the last
-    /// one, as (id, logit) in descending order (ties to the lower id): all a greedy or top-k sampler
-    /// needs. Backends that can choose them where the logits live (CUDA) avoid copying the whole
+    /// one among ids below `among` (the tokenizer's vocabulary; rows past it pad the embedding), as
+    /// (id, logit) in descending order (ties to the lower id): all a greedy or top-k sampler needs.
+    /// Backends that can choose them where the logits live (CUDA) avoid copying the whole
     /// vocabulary back; the default selects them from the full logits.
-    fn forward_top(&self, s: &mut Self::Session, tokens: &[u32], k: usize) -> Result<Vec<(u32, f32)>> {
+    fn forward_top(&self, s: &mut Self::Session, tokens: &[u32], k: usize, among: usize) -> Result<Vec<(u32, f32)>> {
         let logits = self.forward(s, tokens, Logits::Last)?;
-        Ok(top_of(&logits, k))
+        Ok(top_of(&logits[..among.min(logits.len())], k))
     }
 
     /// The forwards so far and where their time went (dense, routed experts, waiting on reads).

@@ -128,7 +128,7 @@ pub fn generate<B: Backend>(
 ) -> Result<Generation> {
     opts.sampling.validate()?;
     let mut sampler = Sampler::new(opts.sampling.clone());
-    let mut next = NextToken::new(backend, tokenizer, &sampler);
+    let mut next = NextToken::new(tokenizer, &sampler);
     let mut timing = Timing { prompt_tokens: prompt.len(), ..Timing::default() };
     let t0 = Instant::now();
     next.forward(backend, session, prompt)?;
@@ -187,29 +187,27 @@ pub fn generate<B: Backend>(
 /// live), else every logit.
 struct NextToken {
     vocab: usize,
-    /// Candidates to ask the backend for: what the sampler needs plus the padding rows past the
-    /// tokenizer's vocabulary, which may be among the largest and are dropped. `None`: full logits.
+    /// Candidates to ask the backend for (among the tokenizer's ids: rows past them pad the
+    /// embedding and are never sampled). `None`: full logits.
     ask: Option<usize>,
-    needed: usize,
     logits: Vec<f32>,
     candidates: Vec<(u32, f32)>,
 }
 
 impl NextToken {
-    fn new<B: Backend>(backend: &B, tokenizer: &Tokenizer, sampler: &Sampler) -> Self {
-        let vocab = tokenizer.vocab_size();
-        let padding = backend.vocab_size().saturating_sub(vocab);
-        let needed = sampler.candidates_needed().unwrap_or(0);
-        let ask = sampler.candidates_needed().map(|k| k + padding).filter(|&k| k <= 256);
-        Self { vocab, ask, needed, logits: Vec::new(), candidates: Vec::new() }
+    fn new(tokenizer: &Tokenizer, sampler: &Sampler) -> Self {
+        Self {
+            vocab: tokenizer.vocab_size(),
+            ask: sampler.candidates_needed(),
+            logits: Vec::new(),
+            candidates: Vec::new(),
+        }
     }
 
     fn forward<B: Backend>(&mut self, backend: &B, session: &mut B::Session, tokens: &[u32]) -> Result<()> {
         match self.ask {
             Some(k) => {
-                self.candidates = backend.forward_top(session, tokens, k)?;
-                self.candidates.retain(|c| (c.0 as usize) < self.vocab);
-                self.candidates.truncate(self.needed);
+                self.candidates = backend.forward_top(session, tokens, k, self.vocab)?;
             }
             None => {
                 self.logits = backend.forward(session, tokens, Logits::Last)?;

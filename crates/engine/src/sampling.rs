@@ -189,14 +189,12 @@ impl Sampler {
     }
 
     /// Picks a token from the `k` largest logits only, as (id, logit) in descending order with
-    /// ties to the lower id, where `k` is at least [`candidates_needed`](Self::candidates_needed).
+    /// ties to the lower id, where `k` is [`candidates_needed`](Self::candidates_needed) or more
+    /// (fewer only when the vocabulary is smaller).
     /// Picks the same token, and advances the generator the same way, as
     /// [`try_sample`](Self::try_sample) on the full logits would.
     pub fn sample_candidates(&mut self, candidates: &[(u32, f32)]) -> Result<u32> {
-        let needed = self.candidates_needed().context("sampling: this sampler needs the full logits")?;
-        if candidates.len() < needed {
-            bail!("sampling: {} candidate logits given, the sampler needs {needed}", candidates.len());
-        }
+        self.candidates_needed().context("sampling: this sampler needs the full logits")?;
         let logits: Vec<f32> = candidates.iter().map(|c| c.1).collect();
         let at = self.try_sample(&logits, &[])?;
         Ok(candidates[at as usize].0)

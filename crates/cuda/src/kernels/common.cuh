@@ -117,3 +117,38 @@ __device__ __forceinline__ float affine_row_dot(const u32* __restrict__ words, c
     }
     return warp_sum(acc);
 }
+
+// Stages x (n floats) into shared memory `sx` (all threads of the block take part).
+__device__ __forceinline__ void stage_x(const float* __restrict__ x, float* sx, int n) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) sx[i] = x[i];
+    __syncthreads();
+}
+
+// Warp-cooperative dot product of an affine row whose codes fill whole words (2, 4 or 8 bits) with x
+// staged in shared memory. Lane i takes words i, i+32, ...: consecutive lanes read consecutive words
+// (coalesced) and a word's x are contiguous. (Staging x word-major instead, so that the lanes'
+// loads hit distinct banks, measured 30% slower for the 4-bit matvec on the H200, for reasons not
+// established: benchmark/notes-cuda.md.) Per word: scale * sum(q x) + bias * sum(x).
+template <int BITS>
+__device__ __forceinline__ float affine_row_dot_sx(const u32* __restrict__ words, const u16* __restrict__ scales,
+                                                   const u16* __restrict__ biases, const float* sx, int cols, int gs) {
+    constexpr int PER = 32 / BITS;  // codes per word
+    const int lane = threadIdx.x & 31;
+    const int nwords = cols / PER;
+    float acc = 0.0f;
+#pragma unroll 4
+    for (int w = lane; w < nwords; w += 32) {
+        const u32 word = words[w];
+        const float* xw = sx + w * PER;
+        float sq = 0.0f, sxs = 0.0f;
+#pragma unroll
+        for (int k = 0; k < PER; k++) {
+            const float xv = xw[k];
+            sq += (float)((word >> (k * BITS)) & ((1u << BITS) - 1u)) * xv;
+            sxs += xv;
+        }
+        const int g = (w * PER) / gs;
+        acc += bf16f(scales[g]) * sq + bf16f(biases[g]) * sxs;
+    }
+    return warp_sum(acc);
+}

@@ -30,6 +30,20 @@ extern "C" __global__ void gdn_qk_norm(float* qkv, int nk, int dk) {
     for (int j = threadIdx.x; j < dk; j += blockDim.x) h[j] *= inv;
 }
 
+// Stages q and k of value head hv's key head into shared memory (sh[0..dk) and sh[dk..2 dk)) and
+// returns the head's v.
+__device__ __forceinline__ const float* gdn_stage_qk(const float* qkv, float* sh, int hv, int nk, int nv, int dk, int dv) {
+    const int hk = hv / (nv / nk);
+    const float* q = qkv + (size_t)hk * dk;
+    const float* k = qkv + (size_t)(nk + hk) * dk;
+    for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+        sh[i] = q[i];
+        sh[dk + i] = k[i];
+    }
+    __syncthreads();
+    return qkv + (size_t)2 * nk * dk + (size_t)hv * dv;
+}
+
 // The recurrence for one token; one block per value head, one thread per value lane (blockDim = dv).
 //   S *= exp(g); delta = beta (v - S^T k); S += k delta^T; y = S^T q
 // with beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias).
@@ -37,17 +51,9 @@ extern "C" __global__ void gdn_recurrent(const float* qkv, const float* a, const
                                          const float* dt_bias, float* S, float* out, int nk, int nv, int dk, int dv) {
     extern __shared__ float sh[];  // q then k of this head's key head: 2 * dk floats
     const int hv = blockIdx.x;
-    const int hk = hv / (nv / nk);
-    const float* q = qkv + (size_t)hk * dk;
-    const float* k = qkv + (size_t)(nk + hk) * dk;
-    const float* v = qkv + (size_t)2 * nk * dk + (size_t)hv * dv;
-    float* sq = sh;
-    float* sk = sh + dk;
-    for (int i = threadIdx.x; i < dk; i += blockDim.x) {
-        sq[i] = q[i];
-        sk[i] = k[i];
-    }
-    __syncthreads();
+    const float* v = gdn_stage_qk(qkv, sh, hv, nk, nv, dk, dv);
+    const float* sq = sh;
+    const float* sk = sh + dk;
     const float beta = sigmoidf_(b[hv]);
     const float g = -expf(A_log[hv]) * softplusf_(a[hv] + dt_bias[hv]);
     const float decay = expf(g);
@@ -66,6 +72,59 @@ extern "C" __global__ void gdn_recurrent(const float* qkv, const float* a, const
             s[(size_t)i * dv + j] = x;
             y += x * sq[i];
         }
+        out[(size_t)hv * dv + j] = y;
+    }
+}
+
+// gdn_recurrent with each column of S split over GDN_SPLIT threads that keep their rows in registers:
+// S is read once and written once (the one-thread-per-column kernel read it twice and wrote it twice,
+// from 4 warps per head). blockDim = dv * GDN_SPLIT, thread (j, r) = (tid % dv, tid / dv) holds rows
+// r * rows .. (r + 1) * rows of column j, rows = dk / GDN_SPLIT <= GDN_MAX_ROWS. Shared memory: q, k
+// (2 * dk floats), then the partial sums (GDN_SPLIT * dv floats).
+#define GDN_SPLIT 4
+#define GDN_MAX_ROWS 32
+extern "C" __global__ void gdn_recurrent_split(const float* qkv, const float* a, const float* b, const float* A_log,
+                                               const float* dt_bias, float* S, float* out, int nk, int nv, int dk, int dv) {
+    extern __shared__ float sh[];
+    const int hv = blockIdx.x;
+    const float* v = gdn_stage_qk(qkv, sh, hv, nk, nv, dk, dv);
+    const float* sq = sh;
+    const float* sk = sh + dk;
+    float* part = sh + 2 * dk;
+    const int j = threadIdx.x % dv, r = threadIdx.x / dv;
+    const int rows = dk / GDN_SPLIT, i0 = r * rows;
+    const float beta = sigmoidf_(b[hv]);
+    const float decay = expf(-expf(A_log[hv]) * softplusf_(a[hv] + dt_bias[hv]));
+    float* s = S + (size_t)hv * dk * dv + (size_t)i0 * dv + j;
+    float col[GDN_MAX_ROWS];
+    float kv = 0.0f;
+#pragma unroll
+    for (int t = 0; t < GDN_MAX_ROWS; t++) {
+        if (t < rows) {
+            col[t] = s[(size_t)t * dv] * decay;
+            kv += col[t] * sk[i0 + t];
+        }
+    }
+    part[r * dv + j] = kv;
+    __syncthreads();
+    kv = 0.0f;
+    for (int p = 0; p < GDN_SPLIT; p++) kv += part[p * dv + j];
+    const float delta = (v[j] - kv) * beta;
+    float y = 0.0f;
+#pragma unroll
+    for (int t = 0; t < GDN_MAX_ROWS; t++) {
+        if (t < rows) {
+            const float x = col[t] + sk[i0 + t] * delta;
+            s[(size_t)t * dv] = x;
+            y += x * sq[i0 + t];
+        }
+    }
+    __syncthreads();
+    part[r * dv + j] = y;
+    __syncthreads();
+    if (r == 0) {
+        y = 0.0f;
+        for (int p = 0; p < GDN_SPLIT; p++) y += part[p * dv + j];
         out[(size_t)hv * dv + j] = y;
     }
 }

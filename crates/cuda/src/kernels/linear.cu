@@ -12,22 +12,45 @@ __device__ __forceinline__ void matvec_affine(const u32* __restrict__ W, const u
     if ((threadIdx.x & 31) == 0) y[row] = v;
 }
 
+// Kernels that stage x take `rpb`, the rows a block covers: staging costs one pass over x per block,
+// so large matrices use many rows per block (the host picks enough blocks to fill the GPU, so small
+// matrices keep one row per warp).
+
+// 2-, 4- and 8-bit rows with x staged in shared memory (dynamic shared memory: cols floats).
+template <int BITS>
+__device__ __forceinline__ void matvec_affine_sx(const u32* __restrict__ W, const u16* __restrict__ S,
+                                                 const u16* __restrict__ B, const float* __restrict__ x,
+                                                 float* __restrict__ y, int rows, int cols, int gs, int rpb) {
+    extern __shared__ float sx[];
+    stage_x(x, sx, cols);
+    const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int wpr = cols * BITS / 32, gpr = cols / gs;
+    const int end = min(rows, (blockIdx.x + 1) * rpb);
+    for (int row = blockIdx.x * rpb + warp; row < end; row += warps) {
+        const float v =
+            affine_row_dot_sx<BITS>(W + (size_t)row * wpr, S + (size_t)row * gpr, B + (size_t)row * gpr, sx, cols, gs);
+        if ((threadIdx.x & 31) == 0) y[row] = v;
+    }
+}
+
 #define MATVEC_AFFINE(B)                                                                                       \
     extern "C" __global__ void matvec_q##B(const u32* W, const u16* S, const u16* Bi, const float* x, float* y, \
-                                           int rows, int cols, int gs) {                                       \
+                                           int rows, int cols, int gs, int rpb) {                              \
         matvec_affine<B>(W, S, Bi, x, y, rows, cols, gs);                                                      \
     }
-MATVEC_AFFINE(2)
+#define MATVEC_AFFINE_SX(B)                                                                                    \
+    extern "C" __global__ void matvec_q##B(const u32* W, const u16* S, const u16* Bi, const float* x, float* y, \
+                                           int rows, int cols, int gs, int rpb) {                              \
+        matvec_affine_sx<B>(W, S, Bi, x, y, rows, cols, gs, rpb);                                              \
+    }
+MATVEC_AFFINE_SX(2)
 MATVEC_AFFINE(3)
-MATVEC_AFFINE(4)
+MATVEC_AFFINE_SX(4)
 MATVEC_AFFINE(5)
 MATVEC_AFFINE(6)
-MATVEC_AFFINE(8)
+MATVEC_AFFINE_SX(8)
 
-// Floating weights (narrow linears, unquantized checkpoints): dtype 0 = bf16, 1 = f16, 2 = f32.
-extern "C" __global__ void matvec_float(const void* W, const float* x, float* y, int rows, int cols, int dtype) {
-    const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    if (row >= rows) return;
+__device__ __forceinline__ void matvec_float_row_impl(const void* W, const float* x, float* y, int row, int cols, int dtype) {
     const int lane = threadIdx.x & 31;
     float acc = 0.0f;
     if (dtype == 0) {
@@ -42,6 +65,17 @@ extern "C" __global__ void matvec_float(const void* W, const float* x, float* y,
     }
     acc = warp_sum(acc);
     if (lane == 0) y[row] = acc;
+}
+
+// Floating weights (narrow linears, unquantized checkpoints): dtype 0 = bf16, 1 = f16, 2 = f32.
+extern "C" __global__ void matvec_float(const void* W, const float* x_global, float* y, int rows, int cols, int dtype,
+                                        int rpb) {
+    extern __shared__ float sx[];
+    stage_x(x_global, sx, cols);
+    const float* x = sx;
+    const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int end = min(rows, (blockIdx.x + 1) * rpb);
+    for (int row = blockIdx.x * rpb + warp; row < end; row += warps) matvec_float_row_impl(W, x, y, row, cols, dtype);
 }
 
 // Row `row` of an embedding table, dequantized, written `copies` times (the hyper-connection streams

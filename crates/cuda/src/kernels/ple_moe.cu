@@ -72,44 +72,63 @@ extern "C" __global__ void route_topk(const float* logits, int E, int k, int nor
 
 // Gate and up projections of the experts in the address table, entries [first, first + gridDim.y):
 // act[e, i] = silu(gate_e x) * (up_e x). Offsets locate the parts inside a record; one warp per row.
+// Row dot product with x staged in shared memory where the width allows it (2, 4, 8 bits).
 template <int BITS>
-__device__ void expert_gate_up(const u64* table, int first, const float* x, float* act, int I, int H, int gs,
+__device__ __forceinline__ float row_dot(const u32* w, const u16* s, const u16* b, const float* xg, const float* sx, int cols,
+                                         int gs) {
+    if constexpr (BITS == 2 || BITS == 4 || BITS == 8) {
+        return affine_row_dot_sx<BITS>(w, s, b, sx, cols, gs);
+    } else {
+        return affine_row_dot<BITS>(w, s, b, xg, cols, gs);
+    }
+}
+
+template <int BITS>
+__device__ void expert_gate_up(const u64* table, int first, const float* x, float* act, int I, int H, int gs, int rpb,
                                u64 g_w, u64 g_s, u64 g_b, u64 u_w, u64 u_s, u64 u_b) {
-    const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    if (row >= I) return;
+    extern __shared__ float sx[];
+    if constexpr (BITS == 2 || BITS == 4 || BITS == 8) stage_x(x, sx, H);
     const int e = first + blockIdx.y;
     const u8* rec = (const u8*)(table[e] & ~TAG_MASK);
     const int wpr = H * BITS / 32, gpr = H / gs;
-    const float g = affine_row_dot<BITS>((const u32*)(rec + g_w) + (size_t)row * wpr, (const u16*)(rec + g_s) + (size_t)row * gpr,
-                                         (const u16*)(rec + g_b) + (size_t)row * gpr, x, H, gs);
-    const float u = affine_row_dot<BITS>((const u32*)(rec + u_w) + (size_t)row * wpr, (const u16*)(rec + u_s) + (size_t)row * gpr,
-                                         (const u16*)(rec + u_b) + (size_t)row * gpr, x, H, gs);
-    if ((threadIdx.x & 31) == 0) act[(size_t)e * I + row] = siluf_(g) * u;
+    const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int end = min(I, (int)(blockIdx.x + 1) * rpb);
+    for (int row = blockIdx.x * rpb + warp; row < end; row += warps) {
+        const float g = row_dot<BITS>((const u32*)(rec + g_w) + (size_t)row * wpr, (const u16*)(rec + g_s) + (size_t)row * gpr,
+                                      (const u16*)(rec + g_b) + (size_t)row * gpr, x, sx, H, gs);
+        const float u = row_dot<BITS>((const u32*)(rec + u_w) + (size_t)row * wpr, (const u16*)(rec + u_s) + (size_t)row * gpr,
+                                      (const u16*)(rec + u_b) + (size_t)row * gpr, x, sx, H, gs);
+        if ((threadIdx.x & 31) == 0) act[(size_t)e * I + row] = siluf_(g) * u;
+    }
 }
 
 // Down projections: out[e, r] = down_e act[e]; entries [first, first + gridDim.y).
 template <int BITS>
-__device__ void expert_down(const u64* table, int first, const float* act, float* out, int I, int H, int gs, u64 d_w,
-                            u64 d_s, u64 d_b) {
-    const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    if (row >= H) return;
+__device__ void expert_down(const u64* table, int first, const float* act, float* out, int I, int H, int gs, int rpb,
+                            u64 d_w, u64 d_s, u64 d_b) {
+    extern __shared__ float sx[];
     const int e = first + blockIdx.y;
+    if constexpr (BITS == 2 || BITS == 4 || BITS == 8) stage_x(act + (size_t)e * I, sx, I);
     const u8* rec = (const u8*)(table[e] & ~TAG_MASK);
     const int wpr = I * BITS / 32, gpr = I / gs;
-    const float v = affine_row_dot<BITS>((const u32*)(rec + d_w) + (size_t)row * wpr, (const u16*)(rec + d_s) + (size_t)row * gpr,
-                                         (const u16*)(rec + d_b) + (size_t)row * gpr, act + (size_t)e * I, I, gs);
-    if ((threadIdx.x & 31) == 0) out[(size_t)e * H + row] = v;
+    const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int end = min(H, (int)(blockIdx.x + 1) * rpb);
+    for (int row = blockIdx.x * rpb + warp; row < end; row += warps) {
+        const float v = row_dot<BITS>((const u32*)(rec + d_w) + (size_t)row * wpr, (const u16*)(rec + d_s) + (size_t)row * gpr,
+                                  (const u16*)(rec + d_b) + (size_t)row * gpr, act + (size_t)e * I, sx, I, gs);
+        if ((threadIdx.x & 31) == 0) out[(size_t)e * H + row] = v;
+    }
 }
 
 #define EXPERT_KERNELS(B)                                                                                             \
     extern "C" __global__ void expert_gate_up_q##B(const u64* table, int first, const float* x, float* act, int I,     \
-                                                   int H, int gs, u64 g_w, u64 g_s, u64 g_b, u64 u_w, u64 u_s,         \
-                                                   u64 u_b) {                                                          \
-        expert_gate_up<B>(table, first, x, act, I, H, gs, g_w, g_s, g_b, u_w, u_s, u_b);                              \
+                                                   int H, int gs, int rpb, u64 g_w, u64 g_s, u64 g_b, u64 u_w,         \
+                                                   u64 u_s, u64 u_b) {                                                 \
+        expert_gate_up<B>(table, first, x, act, I, H, gs, rpb, g_w, g_s, g_b, u_w, u_s, u_b);                         \
     }                                                                                                                  \
     extern "C" __global__ void expert_down_q##B(const u64* table, int first, const float* act, float* out, int I,     \
-                                                int H, int gs, u64 d_w, u64 d_s, u64 d_b) {                            \
-        expert_down<B>(table, first, act, out, I, H, gs, d_w, d_s, d_b);                                              \
+                                                int H, int gs, int rpb, u64 d_w, u64 d_s, u64 d_b) {                   \
+        expert_down<B>(table, first, act, out, I, H, gs, rpb, d_w, d_s, d_b);                                         \
     }
 EXPERT_KERNELS(2)
 EXPERT_KERNELS(3)
@@ -127,4 +146,50 @@ extern "C" __global__ void moe_combine(const float* out, const int* entry, const
     float acc = 0.0f;
     for (int r = 0; r < k; r++) acc += w[r] * out[(size_t)entry[r] * H + j];
     y[j] = acc + sigmoidf_(shared_gate[0]) * shared[j];
+}
+
+// Sampling support: the k largest logits (k <= 1024) of one row, in descending order (ties to the
+// lower id), so the host draws from k candidates instead of copying the whole vocabulary back. One
+// block; each round finds the largest remaining logit with a block reduction and masks it.
+extern "C" __global__ void top_candidates(float* logits, int V, int k, int* ids, float* vals) {
+    __shared__ float best_v[32];
+    __shared__ int best_i[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int r = 0; r < k; r++) {
+        float bv = NEG_INF;
+        int bi = 0x7fffffff;
+        for (int i = threadIdx.x; i < V; i += blockDim.x) {
+            const float v = logits[i];
+            if (v > bv || (v == bv && i < bi)) {
+                bv = v;
+                bi = i;
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) {
+                bv = ov;
+                bi = oi;
+            }
+        }
+        if (lane == 0) {
+            best_v[warp] = bv;
+            best_i[warp] = bi;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float v = best_v[0];
+            int id = best_i[0];
+            for (int w = 1; w < nw; w++)
+                if (best_v[w] > v || (best_v[w] == v && best_i[w] < id)) {
+                    v = best_v[w];
+                    id = best_i[w];
+                }
+            ids[r] = id;
+            vals[r] = v;
+            if (id >= 0 && id < V) logits[id] = NEG_INF;
+        }
+        __syncthreads();
+    }
 }
