@@ -21,6 +21,7 @@ use cherenkov_engine::backend::Logits;
 use cherenkov_engine::policy::{Policy, simulate};
 use cherenkov_engine::residency::{ExpertPool, format_bytes, parse_size};
 use cherenkov_engine::routing::{Skew, SkewedRouting};
+use cherenkov_engine::sampling::{Sampler, SamplingParams};
 use cherenkov_engine::tokenizer::Tokenizer;
 use cherenkov_model::arch;
 use cherenkov_model::config::{ModelConfig, TextConfig};
@@ -43,7 +44,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 512)]
     pub experts: usize,
     /// Decode tokens timed per case (after --warmup untimed ones).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 128)]
     pub tokens: usize,
     #[arg(long, default_value_t = 8)]
     pub warmup: usize,
@@ -197,16 +198,19 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         model.skew = Some(Arc::new(SkewedRouting::new(skew)));
         let mut s = model.new_session()?;
         let mut logits = model.forward_tokens(&mut s, &prompt, Logits::Last)?;
-        let argmax = |l: &[f32]| l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|x| x.0 as u32).unwrap();
+        // Sampled, not greedy: a random model's argmax repeats itself, which would make consecutive
+        // tokens route alike and flatter every cache.
+        let mut sampler = Sampler::new(SamplingParams { temperature: 1.0, seed: Some(7), ..SamplingParams::default() });
+        let mut next = |l: &[f32]| sampler.sample(&l[..tok.vocab_size().min(l.len())], &[]);
         for _ in 0..args.warmup {
-            logits = model.forward_tokens(&mut s, &[argmax(&logits)], Logits::Last)?;
+            logits = model.forward_tokens(&mut s, &[next(&logits)], Logits::Last)?;
         }
         pool.reset_stats();
         pool.record_trace(true);
         model.reset_timing();
         let t0 = std::time::Instant::now();
         for _ in 0..args.tokens {
-            logits = model.forward_tokens(&mut s, &[argmax(&logits)], Logits::Last)?;
+            logits = model.forward_tokens(&mut s, &[next(&logits)], Logits::Last)?;
         }
         let secs = t0.elapsed().as_secs_f64();
         let st = pool.stats();
