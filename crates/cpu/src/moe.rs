@@ -20,8 +20,8 @@ use crate::ops::{sigmoid, silu};
 use crate::weights::Moe;
 
 /// Top-k routing of `t` rows: per row, (expert, weight) in descending weight. With `skew` (synthetic
-/// benchmarks only, see `cherenkov_engine::routing`) the logits get its bias first, and the choice of
-/// each row is recorded for the next token's reuse bonus.
+/// benchmarks only, see `cherenkov_engine::routing`) the skewed router chooses instead, and the
+/// choice of each row is recorded for the next token's reuse bonus and noise.
 pub fn route(
     store: &Store,
     c: &TextConfig,
@@ -33,27 +33,28 @@ pub fn route(
     let t = h.len() / c.hidden_size;
     let mut logits = vec![0f32; t * e];
     w.gate.lin(store).forward(h, &mut logits);
+    let k = c.num_experts_per_tok;
     logits
         .chunks_exact(e)
-        .map(|l| {
-            let bias = skew.map(|sk| sk.bias(w.expert_slot, e));
-            let top = top_k(l, bias.as_deref(), c.num_experts_per_tok, c.norm_topk_prob);
-            if let Some(sk) = skew {
-                sk.observe(w.expert_slot, &top.iter().map(|x| x.0).collect::<Vec<_>>(), e);
-            }
-            top
+        .map(|l| match skew {
+            Some(sk) => sk.route(w.expert_slot, l, k, c.norm_topk_prob),
+            None => top_k(l, None, k, c.norm_topk_prob),
         })
         .collect()
 }
 
 /// The experts the router of `w` would pick for `h` (one row), without recording anything: the
-/// lookahead's prediction for the next layer.
+/// lookahead's prediction for the next layer. With `skew` it sees only what a predictor may know
+/// (`SkewedRouting::predict`: no noise of the token not yet routed).
 pub fn predict(store: &Store, c: &TextConfig, w: &Moe, h: &[f32], skew: Option<&SkewedRouting>) -> Vec<usize> {
     let e = c.num_experts;
     let mut logits = vec![0f32; e];
     w.gate.lin(store).forward(&h[..c.hidden_size], &mut logits);
-    let bias = skew.map(|sk| sk.bias(w.expert_slot, e));
-    top_k(&logits, bias.as_deref(), c.num_experts_per_tok, false).into_iter().map(|x| x.0).collect()
+    let k = c.num_experts_per_tok;
+    match skew {
+        Some(sk) => sk.predict(w.expert_slot, &logits, k),
+        None => top_k(&logits, None, k, false).into_iter().map(|x| x.0).collect(),
+    }
 }
 
 /// One expert (or the shared expert) on the rows `x` (`[r, H]`).

@@ -6,6 +6,12 @@
 //! expert of the current step is never evicted, and a hit is an expert already resident. Belady
 //! evicts the resident expert whose next use is furthest away, which no online policy can beat, so
 //! hit rates are reported as a fraction of its.
+//!
+//! The online policies are replayed exactly as the pool ([`crate::residency`]) runs them: every
+//! expert of a step is stamped with a tick in request order (the LRU key, and the tie-break of the
+//! others), and LRFU's clock counts tokens: a step whose layer is not above the previous step's
+//! starts a new token. So a trace replayed here and through a pool with the same eviction gives
+//! the same hits (`crates/engine/tests/residency.rs` checks it).
 
 use std::collections::{BTreeSet, HashMap};
 
@@ -26,7 +32,7 @@ pub enum Policy {
     /// Least recently used.
     Lru,
     /// LRFU (Lee et al.): each expert's combined recency-frequency is the sum over its past uses of
-    /// 2^(-lambda * age); the smallest is evicted. lambda = 1 is close to LRU, lambda -> 0 to LFU.
+    /// 2^(-lambda * age in tokens); the smallest is evicted. A large lambda is LRU, lambda = 0 LFU.
     Lrfu { lambda: f64 },
     /// Belady's MIN: the resident expert used furthest in the future goes (needs the future).
     Belady,
@@ -39,6 +45,40 @@ impl Policy {
             Policy::Lrfu { lambda } => format!("LRFU(lambda={lambda})"),
             Policy::Belady => "Belady (offline optimum)".into(),
         }
+    }
+}
+
+/// LRFU's state of one expert: its combined recency-frequency value (CRF) at its last use, and
+/// that use's time in tokens. It outlives the expert's residency, as in LRFU's paper.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Crf {
+    value: f64,
+    at: u64,
+}
+
+impl Crf {
+    /// The CRF this expert would have if used at `now`: 1 + its value decayed since its last use.
+    fn after_use(&self, now: u64, lambda: f64) -> f64 {
+        1.0 + self.value * 2f64.powf(-lambda * now.saturating_sub(self.at) as f64)
+    }
+
+    /// Records a use at `now` (tokens) and returns the expert's eviction priority (smaller goes
+    /// first).
+    pub fn touch(&mut self, now: u64, lambda: f64) -> f64 {
+        *self = Crf { value: self.after_use(now, lambda), at: now };
+        Crf::priority(self.value, now, lambda)
+    }
+
+    /// The priority a use at `now` would give, without recording the use (a prefetched record
+    /// ranks as if used now, but is not counted as a use until a step asks for it).
+    pub fn peek(&self, now: u64, lambda: f64) -> f64 {
+        Crf::priority(self.after_use(now, lambda), now, lambda)
+    }
+
+    /// Comparing value * 2^(-lambda (t - at)) across experts at any later time t is comparing
+    /// log2(value) + lambda * at: a key that does not change while the expert is not used.
+    fn priority(value: f64, at: u64, lambda: f64) -> f64 {
+        value.log2() + lambda * at as f64
     }
 }
 
@@ -72,56 +112,66 @@ pub fn simulate(trace: &[Step], slots: usize, policy: Policy) -> SimResult {
     } else {
         Vec::new()
     };
-    // Eviction priority of every resident key: smallest goes first.
-    let mut prio: HashMap<Key, f64> = HashMap::new();
-    let mut order: BTreeSet<(OrdF64, Key)> = BTreeSet::new();
-    let mut crf: HashMap<Key, (f64, u64)> = HashMap::new(); // LRFU: (value at last use, time of last use)
+    // Eviction rank of every resident key: (priority, tick); the smallest goes first.
+    let mut rank: HashMap<Key, (OrdF64, u64)> = HashMap::new();
+    let mut order: BTreeSet<(OrdF64, u64, Key)> = BTreeSet::new();
+    let mut crf: HashMap<Key, Crf> = HashMap::new();
+    let (mut tick, mut token, mut last_layer) = (0u64, 0u64, None);
     for (t, s) in trace.iter().enumerate() {
-        let now = t as u64;
+        if last_layer.is_some_and(|l| s.layer <= l) {
+            token += 1;
+        }
+        last_layer = Some(s.layer);
         let step: Vec<Key> = s.experts.iter().map(|&e| (s.layer, e)).collect();
         for (j, k) in step.iter().enumerate() {
             res.requests += 1;
-            let resident = prio.contains_key(k);
-            if resident {
+            tick += 1;
+            if let Some(&(p, tk)) = rank.get(k) {
                 res.hits += 1;
-                order.remove(&(OrdF64(prio[k]), *k));
-            } else if prio.len() >= slots {
-                // Evict the lowest-priority key not in this step.
-                let victim = order.iter().find(|(_, v)| !step.contains(v)).copied();
-                match victim {
+                order.remove(&(p, tk, *k));
+            } else if rank.len() >= slots {
+                // Evict the lowest-ranked key not in this step.
+                match order.iter().find(|(_, _, v)| !step.contains(v)).copied() {
                     Some(v) => {
                         order.remove(&v);
-                        prio.remove(&v.1);
+                        rank.remove(&v.2);
                     }
                     None => continue, // every slot holds this step's experts: this one cannot stay
                 }
             }
             let p = match policy {
-                Policy::Lru => now as f64,
+                Policy::Lru => 0.0,
                 Policy::Belady => {
                     let nu = next_use[t][j];
                     // Furthest next use = lowest priority.
                     if nu == usize::MAX { f64::NEG_INFINITY } else { -(nu as f64) }
                 }
-                Policy::Lrfu { lambda } => {
-                    let (v, last) = crf.get(k).copied().unwrap_or((0.0, now));
-                    let value = 1.0 + v * 2f64.powf(-lambda * (now - last) as f64);
-                    crf.insert(*k, (value, now));
-                    // Comparing 2^(-lambda (now - last)) * value across keys at any later time is the
-                    // same as comparing log2(value) + lambda * last: time-invariant keys.
-                    value.log2() + lambda * now as f64
-                }
+                Policy::Lrfu { lambda } => crf.entry(*k).or_default().touch(token, lambda),
             };
-            prio.insert(*k, p);
-            order.insert((OrdF64(p), *k));
+            rank.insert(*k, (OrdF64(p), tick));
+            order.insert((OrdF64(p), tick, *k));
         }
     }
     res
 }
 
+/// The share of a step's experts that the previous step of the same layer also used (the
+/// consecutive-token share, on a decode trace); `None` when no layer has two steps.
+pub fn consecutive_share(trace: &[Step]) -> Option<f64> {
+    let mut previous: HashMap<u16, &[u16]> = HashMap::new();
+    let (mut shared, mut counted) = (0u64, 0u64);
+    for s in trace {
+        if let Some(p) = previous.insert(s.layer, &s.experts) {
+            shared += s.experts.iter().filter(|e| p.contains(e)).count() as u64;
+            counted += s.experts.len() as u64;
+        }
+    }
+    (counted > 0).then(|| shared as f64 / counted as f64)
+}
+
 /// A total order on f64 for the priority set.
 #[derive(Clone, Copy, Debug, PartialEq)]
-struct OrdF64(f64);
+pub(crate) struct OrdF64(pub(crate) f64);
 impl Eq for OrdF64 {}
 impl PartialOrd for OrdF64 {
     fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
@@ -168,6 +218,89 @@ mod tests {
         let opt = simulate(&t, 2, Policy::Belady).hit_rate();
         assert!(lrfu > lru, "LRFU {lrfu} should beat LRU {lru} here");
         assert!(opt >= lrfu && opt >= lru);
+    }
+
+    /// The policy study of `benchmark/notes-policy.md`: LRU, LRFU and Belady on traces of the
+    /// calibrated synthetic routers. Run with
+    /// `cargo test -p cherenkov-engine --release --lib -- --ignored --nocapture policy_study`.
+    #[test]
+    #[ignore]
+    fn policy_study() {
+        use crate::routing::{ModelLogits, Skew, synthetic_trace};
+        let (layers, experts, k, tokens) = (8, 512, 10, 2000);
+        let skew = Skew::default();
+        let random_net = ModelLogits::Constant { jitter: 0.05 };
+        // A topic change every 250 tokens: each segment reshuffles which experts are popular.
+        let drift: Vec<Step> = (0..8)
+            .flat_map(|i| synthetic_trace(Skew { seed: 100 + i, ..skew }, random_net, layers, tokens / 8, experts, k))
+            .collect();
+        let traces = [
+            ("random network (constant model logits)", synthetic_trace(skew, random_net, layers, tokens, experts, k)),
+            ("random per-token model logits", synthetic_trace(skew, ModelLogits::Random, layers, tokens, experts, k)),
+            ("random network, popularity reshuffled every 250 tokens", drift),
+            (
+                "random network, recency-heavy skew (popularity=0.35,reuse=1)",
+                synthetic_trace(Skew { popularity: 0.35, reuse: 1.0, ..skew }, random_net, layers, tokens, experts, k),
+            ),
+        ];
+        let lambdas = [1.0, 0.1, 0.05, 0.03, 0.02, 0.01, 0.003, 0.0];
+        println!("skew {}, {layers} MoE layers x {tokens} tokens, {experts} experts top-{k}\n", skew.label());
+        for (name, trace) in &traces {
+            let share = consecutive_share(trace).unwrap();
+            println!("### {name}: consecutive-token share {:.1}%\n", 100.0 * share);
+            let mut head = "| policy |".to_string();
+            let mut rule = "| --- |".to_string();
+            let fracs = [0.10, 0.17, 0.27];
+            let slots: Vec<usize> = fracs.iter().map(|f| (f * (layers * experts) as f64) as usize).collect();
+            for (f, s) in fracs.iter().zip(&slots) {
+                head += &format!(" {:.0}% cached ({s} slots) |", 100.0 * f);
+                rule += " --- |";
+            }
+            println!("{head}\n{rule}");
+            let opt: Vec<f64> = slots.iter().map(|&s| simulate(trace, s, Policy::Belady).hit_rate()).collect();
+            let mut policies = vec![Policy::Lru];
+            policies.extend(lambdas.iter().map(|&lambda| Policy::Lrfu { lambda }));
+            policies.push(Policy::Belady);
+            for p in policies {
+                let mut line = format!("| {} |", p.label());
+                for (i, &s) in slots.iter().enumerate() {
+                    let h = simulate(trace, s, p).hit_rate();
+                    line += &format!(" {:.1}% ({:.1}% of Belady) |", 100.0 * h, 100.0 * h / opt[i]);
+                }
+                println!("{line}");
+            }
+            println!();
+        }
+
+        // What a lookahead can predict on the random network: the model's logits, popularity and
+        // reuse, not the noise of the token it predicts for.
+        let r = crate::routing::SkewedRouting::new(skew);
+        let base: Vec<Vec<f32>> = (0..layers).map(|l| crate::routing::normals(l as u64, experts)).collect();
+        let (mut correct, mut total) = (0usize, 0usize);
+        for _ in 0..tokens {
+            for (l, logits) in base.iter().enumerate() {
+                let guess = r.predict(l, logits, k);
+                let chosen = r.route(l, logits, k, true);
+                correct += chosen.iter().filter(|c| guess.contains(&c.0)).count();
+                total += k;
+            }
+        }
+        println!(
+            "Lookahead on the random network (a constant logit vector per layer): {:.1}% of the routed experts predicted.",
+            100.0 * correct as f64 / total as f64
+        );
+    }
+
+    #[test]
+    fn consecutive_share_compares_each_layer_with_its_previous_step() {
+        let t = vec![
+            Step { layer: 0, experts: vec![1, 2] },
+            Step { layer: 1, experts: vec![1] },
+            Step { layer: 0, experts: vec![2, 3] },
+            Step { layer: 1, experts: vec![5] },
+        ];
+        assert_eq!(consecutive_share(&t), Some(1.0 / 3.0));
+        assert_eq!(consecutive_share(&t[..2]), None);
     }
 
     #[test]
