@@ -9,7 +9,7 @@
 //! # Slot state machine
 //!
 //! ```text
-//!            miss: take a free slot, or evict the LRU ready+unpinned one
+//!            miss: take a free slot, or evict the lowest-ranked ready+unpinned one
 //!   Free ───────────────────────────────────────────────────────────────> Loading
 //!    ^                                                                        │
 //!    │ read or checksum failed (the record is forgotten; the next acquire     │ read ok
@@ -20,9 +20,29 @@
 //! ```
 //!
 //! Orthogonal to the state, `pins` counts the live leases naming the slot. A slot is evictable only
-//! when it is `Ready` with no pins; evictable slots sit in an LRU index keyed by the tick of their
-//! last acquire, so choosing a victim is O(log slots). A `Loading` slot is never evicted, whether or
-//! not a lease still pins it: an IO thread is writing it.
+//! when it is `Ready` with no pins; evictable slots sit in an index keyed by their eviction rank
+//! (below), so choosing a victim is O(log slots). A `Loading` slot is never evicted, whether or not
+//! a lease still pins it: an IO thread is writing it.
+//!
+//! # Eviction
+//!
+//! Every acquire stamps each of its experts with a tick (in request order; a prefetch with one
+//! too). The victim is the evictable slot of lowest rank (priority, tick), the priority depending on
+//! the [`Eviction`] the pool was built with:
+//!
+//! - [`Eviction::Lrfu`] (the default): LRFU's combined recency-frequency (Lee et al.; the same
+//!   arithmetic as the policy simulator, [`crate::policy::Crf`]): each use of an expert adds 1 to a
+//!   value that halves every 1/lambda tokens, and the smallest value goes first, ties to the least
+//!   recently used. The clock counts tokens: an acquire whose layer is not above the previous
+//!   acquire's layer starts a new one. The value of every (layer, expert) is kept, resident or
+//!   not, so a popular expert evicted by a burst of others comes back with its history. A
+//!   prefetched record ranks as if used when it was queued, but counts as a use only when a step
+//!   acquires it.
+//! - [`Eviction::Lru`]: the priority is constant, so the tick alone decides: least recently used.
+//!
+//! LRFU is the default because it beat LRU on every calibrated synthetic routing trace, popularity
+//! drift included: by 7-12 points of hit rate with 10% of the experts cached, 3-7 with 17% and 1-5
+//! with 27% (`benchmark/notes-policy.md`).
 //!
 //! # Invariants that must not change
 //!
@@ -59,6 +79,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, anyhow, bail};
 use cherenkov_model::store::Store;
 
+use crate::policy::{Crf, OrdF64};
 use crate::stats::{ExpertStats, ForwardStats, LayerInfo, PoolCounters, PoolStats, Residency, Served, SlotGauges};
 
 /// Alignment of host slot memory (a page; records are 4 KiB multiples, so every slot is aligned).
@@ -270,14 +291,54 @@ impl Ticket {
     }
 }
 
+/// How the pool chooses which evictable record to drop for a new one (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub enum Eviction {
+    /// Least recently used.
+    Lru,
+    /// LRFU: a combined recency-frequency value that halves every 1/lambda tokens.
+    Lrfu { lambda: f64 },
+}
+
+impl Eviction {
+    /// The default: LRFU with lambda = 0.03 per token (a half-life of about 33 tokens), the best of
+    /// the decay rates measured in `benchmark/notes-policy.md` once popularity drifts.
+    pub const DEFAULT: Eviction = Eviction::Lrfu { lambda: 0.03 };
+
+    pub fn label(&self) -> String {
+        match self {
+            Eviction::Lru => "LRU".into(),
+            Eviction::Lrfu { lambda } => format!("LRFU(lambda={lambda})"),
+        }
+    }
+
+    /// The same policy for the offline simulator.
+    pub fn policy(&self) -> crate::policy::Policy {
+        match *self {
+            Eviction::Lru => crate::policy::Policy::Lru,
+            Eviction::Lrfu { lambda } => crate::policy::Policy::Lrfu { lambda },
+        }
+    }
+}
+
+impl Default for Eviction {
+    fn default() -> Eviction {
+        Eviction::DEFAULT
+    }
+}
+
+/// A slot's place in the eviction order: (priority, tick of its last use); the smallest goes first.
+/// Ticks are unique, so ranks are too.
+type Rank = (OrdF64, u64);
+
 struct Slot {
     state: State,
     /// (MoE layer, expert); meaningful unless `Free`.
     key: (usize, usize),
     /// Live leases naming this slot.
     pins: u32,
-    /// Tick of the last acquire naming it (the LRU key while evictable).
-    last_use: u64,
+    /// Its eviction rank, set at every acquire naming it (the evictable index's key).
+    rank: Rank,
     /// Identity of the current occupancy: set anew for every load, 0 when free. Leases remember it
     /// so that a lease whose load failed (slot freed, maybe reused) does not unpin a stranger.
     generation: u64,
@@ -287,7 +348,7 @@ struct Slot {
 
 impl Slot {
     fn free() -> Slot {
-        Slot { state: State::Free, key: (0, 0), pins: 0, last_use: 0, generation: 0, ticket: None }
+        Slot { state: State::Free, key: (0, 0), pins: 0, rank: (OrdF64(0.0), 0), generation: 0, ticket: None }
     }
 }
 
@@ -305,11 +366,19 @@ struct Inner {
     map: HashMap<(usize, usize), usize>,
     /// Free slots; popped from the end (initially in ascending order).
     free: Vec<usize>,
-    /// `Ready` slots with no pins, by `last_use` (ticks are unique): the first is the LRU victim.
-    lru: BTreeMap<u64, usize>,
+    /// `Ready` slots with no pins, by rank: the first is the victim.
+    evictable: BTreeMap<Rank, usize>,
     /// Reads not yet taken by an IO thread, FIFO.
     queue: VecDeque<Job>,
     tick: u64,
+    eviction: Eviction,
+    /// LRFU's state of every (layer, expert), at `layer * num_experts + expert`.
+    crf: Vec<Crf>,
+    num_experts: usize,
+    /// Tokens seen (LRFU's clock), and the layer of the last acquire (a new token starts when an
+    /// acquire's layer is not above it).
+    token: u64,
+    last_layer: Option<usize>,
     next_generation: u64,
     /// Acquires waiting for abandoned reads to finish (a gauge for diagnostics and tests).
     blocked: usize,
@@ -328,22 +397,48 @@ struct Capacity {
 }
 
 impl Inner {
-    /// A slot for a new record: a free one, else the least recently used evictable one (whose
-    /// record is forgotten and counted as evicted). None when every slot is pinned or loading.
+    /// A slot for a new record: a free one, else the lowest-ranked evictable one (whose record is
+    /// forgotten and counted as evicted). None when every slot is pinned or loading.
     fn take_slot(&mut self, counters: &PoolCounters) -> Option<usize> {
         if let Some(s) = self.free.pop() {
             return Some(s);
         }
-        let (_, s) = self.lru.pop_first()?;
+        let (_, s) = self.evictable.pop_first()?;
         let old = self.slots[s].key;
         self.map.remove(&old);
         counters.record_eviction(old.0, old.1);
         Some(s)
     }
 
+    /// Moves LRFU's clock for an acquire of `layer`.
+    fn start_step(&mut self, layer: usize) {
+        if self.last_layer.is_some_and(|l| layer <= l) {
+            self.token += 1;
+        }
+        self.last_layer = Some(layer);
+    }
+
+    /// Records a use of (layer, expert) at `tick`; returns its new rank.
+    fn use_rank(&mut self, layer: usize, expert: usize, tick: u64) -> Rank {
+        let p = match self.eviction {
+            Eviction::Lru => 0.0,
+            Eviction::Lrfu { lambda } => self.crf[layer * self.num_experts + expert].touch(self.token, lambda),
+        };
+        (OrdF64(p), tick)
+    }
+
+    /// The rank of a prefetched (layer, expert) at `tick`: as if used now, without counting a use.
+    fn prefetch_rank(&self, layer: usize, expert: usize, tick: u64) -> Rank {
+        let p = match self.eviction {
+            Eviction::Lru => 0.0,
+            Eviction::Lrfu { lambda } => self.crf[layer * self.num_experts + expert].peek(self.token, lambda),
+        };
+        (OrdF64(p), tick)
+    }
+
     /// Puts slot `s` in `Loading` for (layer, expert) and queues its read; returns its generation
     /// and ticket.
-    fn start_load(&mut self, s: usize, layer: usize, expert: usize, pins: u32, last_use: u64) -> (u64, Arc<Ticket>) {
+    fn start_load(&mut self, s: usize, layer: usize, expert: usize, pins: u32, rank: Rank) -> (u64, Arc<Ticket>) {
         let generation = self.next_generation;
         self.next_generation += 1;
         let ticket = Ticket::new();
@@ -351,7 +446,7 @@ impl Inner {
             state: State::Loading,
             key: (layer, expert),
             pins,
-            last_use,
+            rank,
             generation,
             ticket: Some(Arc::clone(&ticket)),
         };
@@ -372,7 +467,7 @@ impl Inner {
                 },
             }
         }
-        let available = self.free.len() + self.lru.len() - evictable_hits;
+        let available = self.free.len() + self.evictable.len() - evictable_hits;
         if needed <= available {
             return Capacity { needed, available, draining: 0 }; // the common case: no scan
         }
@@ -440,8 +535,19 @@ pub struct Lease<'a, M: SlotMemory> {
 }
 
 impl<M: SlotMemory> ExpertPool<M> {
-    /// A pool over `memory`'s slots reading records of `store`, with `io_threads` reader threads.
+    /// A pool over `memory`'s slots reading records of `store`, with `io_threads` reader threads,
+    /// evicting with [`Eviction::DEFAULT`].
     pub fn new(store: Arc<Store>, memory: Arc<M>, io_threads: usize) -> Result<ExpertPool<M>> {
+        ExpertPool::with_eviction(store, memory, io_threads, Eviction::DEFAULT)
+    }
+
+    /// [`ExpertPool::new`] with another eviction policy.
+    pub fn with_eviction(
+        store: Arc<Store>,
+        memory: Arc<M>,
+        io_threads: usize,
+        eviction: Eviction,
+    ) -> Result<ExpertPool<M>> {
         let ef = &store.manifest.experts;
         let (layers, num_experts, record_bytes) = (ef.layers.len(), ef.num_experts, store.record_bytes());
         let slot_count = memory.slot_count();
@@ -458,13 +564,26 @@ impl<M: SlotMemory> ExpertPool<M> {
         if io_threads == 0 {
             bail!("the expert pool needs at least one IO thread");
         }
+        if let Eviction::Lrfu { lambda } = eviction
+            && !(lambda.is_finite() && lambda >= 0.0)
+        {
+            bail!("LRFU's decay rate must be a finite number >= 0, not {lambda}");
+        }
         let inner = Inner {
             slots: (0..slot_count).map(|_| Slot::free()).collect(),
             map: HashMap::with_capacity(slot_count),
             free: (0..slot_count).rev().collect(),
-            lru: BTreeMap::new(),
+            evictable: BTreeMap::new(),
             queue: VecDeque::new(),
             tick: 0,
+            eviction,
+            crf: match eviction {
+                Eviction::Lru => Vec::new(),
+                Eviction::Lrfu { .. } => vec![Crf::default(); layers * num_experts],
+            },
+            num_experts,
+            token: 0,
+            last_layer: None,
             next_generation: 1,
             blocked: 0,
             shutdown: false,
@@ -516,6 +635,11 @@ impl<M: SlotMemory> ExpertPool<M> {
 
     pub fn memory(&self) -> &Arc<M> {
         &self.shared.memory
+    }
+
+    /// How the pool chooses its victims.
+    pub fn eviction(&self) -> Eviction {
+        self.shared.lock().eviction
     }
 
     pub fn slot_count(&self) -> usize {
@@ -578,18 +702,20 @@ impl<M: SlotMemory> ExpertPool<M> {
                 guard.blocked -= 1;
             }
             let inner = &mut *guard;
+            inner.start_step(layer);
             let base = inner.tick;
             inner.tick += n as u64;
 
             // Pass 1: pin what is resident or already being read, so no miss below can evict it.
             for (i, &e) in experts.iter().enumerate() {
                 let Some(&s) = inner.map.get(&(layer, e)) else { continue };
+                let rank = inner.use_rank(layer, e, base + i as u64 + 1);
                 let slot = &mut inner.slots[s];
                 if slot.state == State::Ready && slot.pins == 0 {
-                    inner.lru.remove(&slot.last_use);
+                    inner.evictable.remove(&slot.rank);
                 }
                 slot.pins += 1;
-                slot.last_use = base + i as u64 + 1;
+                slot.rank = rank;
                 let ticket = match slot.state {
                     State::Ready => {
                         hits += 1;
@@ -607,13 +733,14 @@ impl<M: SlotMemory> ExpertPool<M> {
                 pins[i] = Some(Pin { generation: slot.generation, ticket });
             }
 
-            // Pass 2: misses, in request order: a free slot, else the least recently used one.
+            // Pass 2: misses, in request order: a free slot, else the lowest-ranked evictable one.
             for (i, &e) in experts.iter().enumerate() {
                 if pins[i].is_some() {
                     continue;
                 }
                 let s = inner.take_slot(&self.shared.counters).expect("capacity was checked above");
-                let (generation, ticket) = inner.start_load(s, layer, e, 1, base + i as u64 + 1);
+                let rank = inner.use_rank(layer, e, base + i as u64 + 1);
+                let (generation, ticket) = inner.start_load(s, layer, e, 1, rank);
                 misses += 1;
                 self.shared.counters.record_routed(layer, e, Served::Miss);
                 entries[i] = LeaseEntry { expert: e, slot: s, hit: false };
@@ -665,9 +792,10 @@ impl<M: SlotMemory> ExpertPool<M> {
 
     /// Lookahead: queues reads for the experts of `layer` that are neither resident nor being read,
     /// behind every read already queued (so a step's required misses always go first). Nothing is
-    /// pinned: once loaded, a prefetched record is an ordinary, evictable cache entry, marked as
-    /// recently used. Slots come from the free list, else from the least recently used evictable
-    /// records; pinned and loading slots are never taken, and the prefetch stops when none is left.
+    /// pinned: once loaded, a prefetched record is an ordinary, evictable cache entry, ranked as if
+    /// used now (without counting a use). Slots come from the free list, else from the lowest-ranked
+    /// evictable records; pinned and loading slots are never taken, and the prefetch stops when none
+    /// is left.
     /// Returns the number of reads queued.
     pub fn prefetch(&self, layer: usize, experts: &[usize]) -> usize {
         if layer >= self.layers {
@@ -683,8 +811,8 @@ impl<M: SlotMemory> ExpertPool<M> {
                 }
                 let Some(s) = inner.take_slot(&self.shared.counters) else { break };
                 inner.tick += 1;
-                let last_use = inner.tick;
-                inner.start_load(s, layer, e, 0, last_use);
+                let rank = inner.prefetch_rank(layer, e, inner.tick);
+                inner.start_load(s, layer, e, 0, rank);
                 self.shared.counters.record_expert_prefetch(layer, e);
                 queued += 1;
             }
@@ -853,7 +981,7 @@ fn io_loop<M: SlotMemory>(shared: &Shared<M>) {
                 slot.state = State::Ready;
                 slot.ticket = None;
                 if slot.pins == 0 {
-                    inner.lru.insert(slot.last_use, job.slot);
+                    inner.evictable.insert(slot.rank, job.slot);
                 }
                 job.ticket.state.store(TICKET_READY, Ordering::Release);
             }
@@ -962,7 +1090,7 @@ impl<M: SlotMemory> Drop for Lease<'_, M> {
             }
             slot.pins -= 1;
             if slot.pins == 0 && slot.state == State::Ready {
-                inner.lru.insert(slot.last_use, entry.slot);
+                inner.evictable.insert(slot.rank, entry.slot);
                 released = true;
             }
         }

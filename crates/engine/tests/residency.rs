@@ -1,15 +1,18 @@
 //! The expert pool against a real packed store (the tiny-a MLX fixture: 4 MoE layers x 6 experts):
-//! loaded bytes, exact LRU order and counters, pinning, refusals, corrupted records, reads joined
-//! while in flight, and several threads sharing one pool.
+//! loaded bytes, exact LRU and LRFU order and counters, the same hits as the policy simulator,
+//! pinning, refusals, corrupted records, reads joined while in flight, and several threads sharing
+//! one pool.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use anyhow::Result;
+use cherenkov_engine::policy::simulate;
 use cherenkov_engine::residency::{
-    ExpertPool, HostSlots, Lease, LeaseEntry, SlotMemory, format_bytes, parse_size, slots_for_budget,
+    Eviction, ExpertPool, HostSlots, Lease, LeaseEntry, SlotMemory, format_bytes, parse_size, slots_for_budget,
 };
+use cherenkov_engine::routing::{ModelLogits, Skew, synthetic_trace};
 use cherenkov_model::checkpoint::Checkpoint;
 use cherenkov_model::store::{Store, pack::pack};
 use indicatif::ProgressBar;
@@ -53,6 +56,11 @@ fn all_records(store: &Store) -> Vec<Vec<Vec<u8>>> {
 fn host_pool(f: &Fixture, slots: usize, io_threads: usize) -> ExpertPool<HostSlots> {
     let memory = Arc::new(HostSlots::new(slots, f.store.record_bytes()).unwrap());
     ExpertPool::new(Arc::clone(&f.store), memory, io_threads).unwrap()
+}
+
+fn host_pool_evicting(f: &Fixture, slots: usize, io_threads: usize, eviction: Eviction) -> ExpertPool<HostSlots> {
+    let memory = Arc::new(HostSlots::new(slots, f.store.record_bytes()).unwrap());
+    ExpertPool::with_eviction(Arc::clone(&f.store), memory, io_threads, eviction).unwrap()
 }
 
 /// Every entry of the lease holds exactly the store's record.
@@ -110,7 +118,7 @@ fn loaded_slots_hold_the_store_records() {
 #[test]
 fn lru_order_and_counters_on_a_scripted_sequence() {
     let f = fixture();
-    let pool = host_pool(&f, 3, 1);
+    let pool = host_pool_evicting(&f, 3, 1, Eviction::Lru);
     let step = |layer: usize, experts: &[usize], expect: &[(usize, usize, bool)]| {
         let lease = pool.acquire(layer, experts).unwrap();
         assert_eq!(shape(&lease), expect, "acquire({layer}, {experts:?})");
@@ -154,6 +162,82 @@ fn lru_order_and_counters_on_a_scripted_sequence() {
     assert_eq!((s.total.routed, s.total.reads, s.total.evictions, s.total.latency.iter().sum::<u64>()), (0, 0, 0, 0));
     assert_eq!(s.total.resident, 3, "resetting counters keeps what is resident");
     assert_eq!(s.hit_rate(), None);
+}
+
+#[test]
+fn lrfu_keeps_a_frequent_expert_that_lru_evicts() {
+    let f = fixture();
+    assert_eq!(host_pool(&f, 2, 1).eviction(), Eviction::Lrfu { lambda: 0.03 }, "the default");
+    // One layer, so every acquire is a new token. Expert 0 is used three times, then expert 1
+    // once, more recently; expert 2 needs a slot.
+    let run = |eviction: Eviction| {
+        let pool = host_pool_evicting(&f, 2, 1, eviction);
+        for experts in [[0], [0], [0], [1]] {
+            pool.acquire(0, &experts).unwrap().wait_all().unwrap();
+        }
+        let lease = pool.acquire(0, &[2]).unwrap();
+        lease.wait_all().unwrap();
+        check_bytes(&f, &lease);
+        let victim_slot = shape(&lease);
+        drop(lease);
+        let resident = pool.resident(0);
+        let again = pool.acquire(0, &[0]).unwrap().entries()[0].hit;
+        (victim_slot, resident, again, pool.stats().layers[0].evictions)
+    };
+    // LRU: expert 0 is the least recently used (slot 0); coming back it misses.
+    assert_eq!(run(Eviction::Lru), (vec![(2, 0, false)], vec![1, 2], false, 2));
+    // LRFU: expert 0's three uses outweigh expert 1's one, a token more recent: expert 1 goes.
+    assert_eq!(run(Eviction::Lrfu { lambda: 0.03 }), (vec![(2, 1, false)], vec![0, 2], true, 1));
+    // A fast decay is LRU again.
+    assert_eq!(run(Eviction::Lrfu { lambda: 4.0 }).1, vec![1, 2]);
+
+    // A prefetched record ranks as if used once when queued: under LRFU the frequent expert
+    // stays and the prefetch goes; under LRU the prefetch is the most recent and stays.
+    let prefetch_then_miss = |eviction: Eviction| {
+        let pool = host_pool_evicting(&f, 2, 1, eviction);
+        for experts in [[0], [0], [0]] {
+            pool.acquire(0, &experts).unwrap().wait_all().unwrap();
+        }
+        assert_eq!(pool.prefetch(0, &[1]), 1);
+        // Until its read ends the prefetched slot is loading, hence not evictable.
+        while pool.stats().slots.loading > 0 {
+            std::thread::yield_now();
+        }
+        pool.acquire(1, &[3]).unwrap().wait_all().unwrap(); // same token: layer 1 > 0
+        (pool.resident(0), pool.resident(1))
+    };
+    assert_eq!(prefetch_then_miss(Eviction::Lru), (vec![1], vec![3]));
+    assert_eq!(prefetch_then_miss(Eviction::DEFAULT), (vec![0], vec![3]));
+
+    let memory = Arc::new(HostSlots::new(2, f.store.record_bytes()).unwrap());
+    let bad = ExpertPool::with_eviction(Arc::clone(&f.store), memory, 1, Eviction::Lrfu { lambda: f64::NAN });
+    assert!(format!("{:#}", bad.map(|_| ()).unwrap_err()).contains("LRFU's decay rate"));
+}
+
+/// The pool and the offline simulator run the same policies: replaying a routing trace through
+/// both gives the same hits, for LRU and for LRFU, and the two policies differ on it.
+#[test]
+fn the_pool_hits_what_the_simulator_predicts() {
+    let f = fixture();
+    let ef = &f.store.manifest.experts;
+    let (layers, experts) = (ef.layers.len(), ef.num_experts);
+    let skew = Skew { popularity: 0.8, ..Skew::default() };
+    let trace = synthetic_trace(skew, ModelLogits::Constant { jitter: 0.05 }, layers, 300, experts, 2);
+    let slots = 9;
+    let mut hits = Vec::new();
+    for eviction in [Eviction::Lru, Eviction::Lrfu { lambda: 0.03 }, Eviction::Lrfu { lambda: 0.3 }] {
+        let pool = host_pool_evicting(&f, slots, 1, eviction);
+        for step in &trace {
+            let want: Vec<usize> = step.experts.iter().map(|&e| e as usize).collect();
+            pool.acquire(step.layer as usize, &want).unwrap().wait_all().unwrap();
+        }
+        let s = pool.stats();
+        let sim = simulate(&trace, slots, eviction.policy());
+        assert_eq!((s.total.routed, s.total.inflight), (sim.requests, 0));
+        assert_eq!(s.total.hits, sim.hits, "{}", eviction.label());
+        hits.push(sim.hits);
+    }
+    assert!(hits[0] != hits[1] && hits[1] != hits[2], "the policies should differ on this trace: {hits:?}");
 }
 
 #[test]
