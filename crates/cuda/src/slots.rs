@@ -1,17 +1,19 @@
 //! Device expert slots: the residency manager's [`SlotMemory`] in GPU memory.
 //!
 //! One device allocation of `slots x record_bytes`. An IO thread reads a record into a pinned host
-//! staging buffer (positioned read, checksum checked by the store) and copies it into its slot on
-//! its own stream, waiting for the copy before it reports the slot loaded; the pool never loads a
-//! slot that a step is using, so kernels never see a half-written record.
+//! staging buffer (positioned reads of its pieces in parallel on the rayon pool), copies it into its
+//! slot on its own stream while checking the store's checksum, and waits for the copy before it
+//! reports the slot loaded; the pool never loads a slot that a step is using, so kernels never see
+//! a half-written record.
 
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 use anyhow::{Result, anyhow};
-use cherenkov_engine::residency::SlotMemory;
+use cherenkov_engine::residency::{RecordSource, SlotMemory};
 use cudarc::driver::result as cu;
 use cudarc::driver::sys;
+use rayon::prelude::*;
 
 use crate::gpu::{DevBuf, Gpu};
 
@@ -23,6 +25,9 @@ struct Pinned {
 
 // SAFETY: the buffer is owned and used by one IO thread at a time (taken from and returned to a pool).
 unsafe impl Send for Pinned {}
+
+/// Pieces one record is read in, in parallel.
+const READ_PIECES: usize = 4;
 
 pub struct DeviceSlots {
     gpu: Arc<Gpu>,
@@ -76,19 +81,32 @@ impl SlotMemory for DeviceSlots {
         self.record_bytes
     }
 
-    fn load(&self, slot: usize, read: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
+    fn load(&self, slot: usize, record: &dyn RecordSource) -> Result<()> {
         self.gpu.bind()?;
         let (pinned, stream) = self.take_staging()?;
         // SAFETY: the pinned buffer is len bytes, owned by this call until returned below.
         let host = unsafe { std::slice::from_raw_parts_mut(pinned.ptr, pinned.len) };
-        let result = read(host).and_then(|()| {
-            // SAFETY: the slot holds record_bytes; the copy is waited for before returning.
-            unsafe {
-                cu::memcpy_htod_async(self.slot_ptr(slot), &*host, stream)
+        // The pieces are read in parallel (a record read from the page cache is a memory copy that
+        // one thread does at a fraction of the host's bandwidth); the copy to the GPU starts when
+        // all are in, and the checksum is computed while it runs. The slot is reported loaded only
+        // after both, so a corrupted record never counts as loaded.
+        let piece = self.record_bytes.div_ceil(READ_PIECES).next_multiple_of(4096);
+        let result = host
+            .par_chunks_mut(piece)
+            .enumerate()
+            .try_for_each(|(i, chunk)| record.read_range(i * piece, chunk))
+            .and_then(|()| {
+                // SAFETY: the slot holds record_bytes; the copy is waited for before returning.
+                unsafe {
+                    cu::memcpy_htod_async(self.slot_ptr(slot), &*host, stream)
+                        .map_err(|e| anyhow!("copy of an expert record to the GPU failed: {e}"))?;
+                }
+                let verified = record.verify(host);
+                // SAFETY: the stream belongs to this context.
+                unsafe { cu::stream::synchronize(stream) }
                     .map_err(|e| anyhow!("copy of an expert record to the GPU failed: {e}"))?;
-                cu::stream::synchronize(stream).map_err(|e| anyhow!("copy of an expert record to the GPU failed: {e}"))
-            }
-        });
+                verified
+            });
         self.staging.lock().unwrap().push((pinned, stream));
         result
     }

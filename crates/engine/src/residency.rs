@@ -85,14 +85,45 @@ use crate::stats::{ExpertStats, ForwardStats, LayerInfo, PoolCounters, PoolStats
 /// Alignment of host slot memory (a page; records are 4 KiB multiples, so every slot is aligned).
 pub const SLOT_ALIGN: usize = 4096;
 
+/// One expert record to load: read whole, or in ranges (from several threads at once) and then
+/// checked as a whole against the store's checksum.
+pub trait RecordSource: Sync {
+    /// Reads bytes `offset..offset + buf.len()` of the record, unchecked.
+    fn read_range(&self, offset: usize, buf: &mut [u8]) -> Result<()>;
+    /// Checks a whole record (record_bytes long) against the store's checksum.
+    fn verify(&self, record: &[u8]) -> Result<()>;
+    /// Reads the whole record into `buf` and checks it.
+    fn read(&self, buf: &mut [u8]) -> Result<()> {
+        self.read_range(0, buf)?;
+        self.verify(buf)
+    }
+}
+
+/// A record of the pool's store.
+struct StoreRecord<'a> {
+    store: &'a Store,
+    layer: usize,
+    expert: usize,
+}
+
+impl RecordSource for StoreRecord<'_> {
+    fn read_range(&self, offset: usize, buf: &mut [u8]) -> Result<()> {
+        self.store.read_expert_range(self.layer, self.expert, offset, buf)
+    }
+    fn verify(&self, record: &[u8]) -> Result<()> {
+        self.store.verify_expert(self.layer, self.expert, record)
+    }
+}
+
 /// Where loaded expert records live (host memory for the CPU, device memory for CUDA).
 pub trait SlotMemory: Send + Sync + 'static {
     fn slot_count(&self) -> usize;
     fn record_bytes(&self) -> usize;
-    /// Loads one record into `slot`. `read` fills a host buffer of record_bytes with the record
-    /// (positioned read + checksum check). Called from IO threads; never concurrently for the same
-    /// slot, and never while the slot is leased by a step.
-    fn load(&self, slot: usize, read: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()>;
+    /// Loads one record into `slot` from `record` (record_bytes long; a load that did not check
+    /// the whole record with [`RecordSource::verify`] or [`RecordSource::read`] must not succeed).
+    /// Called from IO threads; never concurrently for the same slot, and never while the slot is
+    /// leased by a step.
+    fn load(&self, slot: usize, record: &dyn RecordSource) -> Result<()>;
 }
 
 /// Host slots: one page-aligned allocation of `slot_count x record_bytes`, records read straight
@@ -179,7 +210,7 @@ impl SlotMemory for HostSlots {
         self.record_bytes
     }
 
-    fn load(&self, slot: usize, read: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
+    fn load(&self, slot: usize, record: &dyn RecordSource) -> Result<()> {
         if slot >= self.slot_count {
             bail!("slot {slot} is outside the expert cache of {} slots", self.slot_count);
         }
@@ -189,7 +220,7 @@ impl SlotMemory for HostSlots {
         let buf = unsafe {
             std::slice::from_raw_parts_mut(self.base.as_ptr().add(slot * self.record_bytes), self.record_bytes)
         };
-        read(buf)
+        record.read(buf)
     }
 }
 
@@ -798,6 +829,18 @@ impl<M: SlotMemory> ExpertPool<M> {
     /// is left.
     /// Returns the number of reads queued.
     pub fn prefetch(&self, layer: usize, experts: &[usize]) -> usize {
+        self.queue_prefetch(layer, experts, &mut |_, _| {})
+    }
+
+    /// [`ExpertPool::prefetch`], handing each queued read's ticket to `queued_read` while still
+    /// holding the lock, i.e. before an IO thread can end the read (a failed read forgets its
+    /// record).
+    fn queue_prefetch(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        queued_read: &mut dyn FnMut((usize, usize), &Arc<Ticket>),
+    ) -> usize {
         if layer >= self.layers {
             return 0;
         }
@@ -812,7 +855,8 @@ impl<M: SlotMemory> ExpertPool<M> {
                 let Some(s) = inner.take_slot(&self.shared.counters) else { break };
                 inner.tick += 1;
                 let rank = inner.prefetch_rank(layer, e, inner.tick);
-                inner.start_load(s, layer, e, 0, rank);
+                let (_, ticket) = inner.start_load(s, layer, e, 0, rank);
+                queued_read((layer, e), &ticket);
                 self.shared.counters.record_expert_prefetch(layer, e);
                 queued += 1;
             }
@@ -840,6 +884,58 @@ impl<M: SlotMemory> ExpertPool<M> {
             inner.slots.iter().filter(|s| s.state == State::Ready && s.key.0 == layer).map(|s| s.key.1).collect();
         v.sort_unstable();
         v
+    }
+
+    /// Makes every expert of every layer resident, for a pool whose slots hold the whole store:
+    /// queues reads for all records not yet loaded (counted as prefetches) and waits for them.
+    /// Returns the slot of each (layer, expert). Such a pool never evicts afterwards (every
+    /// request hits), so the slots stay valid for the pool's life. Fails when the slots cannot
+    /// hold every record, or a read fails (naming the expert and the error).
+    pub fn preload_all(&self) -> Result<Vec<Vec<usize>>> {
+        let total = self.layers * self.num_experts;
+        if self.slot_count < total {
+            bail!(
+                "the expert cache has {} slots, fewer than the store's {total} experts: they cannot all be resident",
+                self.slot_count
+            );
+        }
+        let all: Vec<usize> = (0..self.num_experts).collect();
+        // The reads in flight, so a failed one (whose slot is freed) can still say why: those this
+        // call queues, taken as they are queued (a read may end before the next lock), and those
+        // already loading before it.
+        let mut tickets: HashMap<(usize, usize), Arc<Ticket>> = HashMap::new();
+        for layer in 0..self.layers {
+            self.queue_prefetch(layer, &all, &mut |key, t| {
+                tickets.insert(key, Arc::clone(t));
+            });
+        }
+        let mut guard = self.shared.lock();
+        for (&key, &s) in &guard.map {
+            if let Some(t) = &guard.slots[s].ticket {
+                tickets.entry(key).or_insert_with(|| Arc::clone(t));
+            }
+        }
+        loop {
+            let mut loading = 0;
+            for layer in 0..self.layers {
+                for e in 0..self.num_experts {
+                    let failed = || {
+                        let why = tickets.get(&(layer, e)).and_then(|t| t.error.get().cloned());
+                        why.unwrap_or_else(|| format!("expert {e} of MoE layer {layer} failed to load"))
+                    };
+                    match guard.map.get(&(layer, e)) {
+                        None => bail!("cannot make every expert resident: {}", failed()),
+                        Some(&s) if guard.slots[s].state == State::Loading => loading += 1,
+                        Some(_) => {}
+                    }
+                }
+            }
+            if loading == 0 {
+                break;
+            }
+            guard = self.shared.done.wait(guard).unwrap_or_else(|e| e.into_inner());
+        }
+        Ok((0..self.layers).map(|l| (0..self.num_experts).map(|e| guard.map[&(l, e)]).collect()).collect())
     }
 
     /// A snapshot of the counters, the resident count per layer and the slot gauges.
@@ -958,17 +1054,16 @@ fn io_loop<M: SlotMemory>(shared: &Shared<M>) {
         };
         let start = Instant::now();
         let (store, (layer, expert)) = (&shared.store, (job.layer, job.expert));
-        let result = catch_unwind(AssertUnwindSafe(|| {
-            shared.memory.load(job.slot, &mut |buf| store.read_expert(layer, expert, buf))
-        }))
-        .unwrap_or_else(|panic| {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".to_string());
-            Err(anyhow!("the slot loader panicked: {what}"))
-        });
+        let result =
+            catch_unwind(AssertUnwindSafe(|| shared.memory.load(job.slot, &StoreRecord { store, layer, expert })))
+                .unwrap_or_else(|panic| {
+                    let what = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "unknown panic".to_string());
+                    Err(anyhow!("the slot loader panicked: {what}"))
+                });
         let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
         shared.counters.record_read(layer, expert, record_bytes, ns, result.is_ok());
 

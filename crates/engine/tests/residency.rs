@@ -10,7 +10,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use anyhow::Result;
 use cherenkov_engine::policy::simulate;
 use cherenkov_engine::residency::{
-    Eviction, ExpertPool, HostSlots, Lease, LeaseEntry, SlotMemory, format_bytes, parse_size, slots_for_budget,
+    Eviction, ExpertPool, HostSlots, Lease, LeaseEntry, RecordSource, SlotMemory, format_bytes, parse_size,
+    slots_for_budget,
 };
 use cherenkov_engine::routing::{ModelLogits, Skew, synthetic_trace};
 use cherenkov_model::checkpoint::Checkpoint;
@@ -323,19 +324,25 @@ fn host_slots_are_page_aligned() {
         assert_eq!(bytes.len(), 8192);
         assert_eq!(bytes.as_ptr() as usize % 4096, 0);
     }
-    let mut n = 0;
-    slots
-        .load(1, &mut |buf| {
-            n = buf.len();
+    /// A record of sevens that remembers the lengths it was asked for and checked.
+    struct Sevens(Mutex<Vec<usize>>);
+    impl RecordSource for Sevens {
+        fn read_range(&self, _offset: usize, buf: &mut [u8]) -> Result<()> {
             buf.fill(7);
             Ok(())
-        })
-        .unwrap();
-    assert_eq!(n, 8192);
+        }
+        fn verify(&self, record: &[u8]) -> Result<()> {
+            self.0.lock().unwrap().push(record.len());
+            Ok(())
+        }
+    }
+    let record = Sevens(Mutex::new(Vec::new()));
+    slots.load(1, &record).unwrap();
+    assert_eq!(*record.0.lock().unwrap(), vec![8192], "the whole slot was read and checked");
     // SAFETY: no load runs now.
     let (s0, s1, s2) = unsafe { (slots.slot(0), slots.slot(1), slots.slot(2)) };
     assert!(s0.iter().all(|&b| b == 0) && s1.iter().all(|&b| b == 7) && s2.iter().all(|&b| b == 0));
-    assert!(slots.load(3, &mut |_| Ok(())).is_err());
+    assert!(slots.load(3, &record).is_err());
 }
 
 /// Copies a store directory and flips one byte inside record (layer, expert).
@@ -434,14 +441,14 @@ impl SlotMemory for GatedSlots {
     fn record_bytes(&self) -> usize {
         self.slots.record_bytes()
     }
-    fn load(&self, slot: usize, read: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
+    fn load(&self, slot: usize, record: &dyn RecordSource) -> Result<()> {
         let mut open = self.open.lock().unwrap();
         while !*open {
             open = self.opened.wait(open).unwrap();
         }
         drop(open);
         self.loads.fetch_add(1, Ordering::SeqCst);
-        self.slots.load(slot, read)
+        self.slots.load(slot, record)
     }
 }
 
@@ -696,4 +703,38 @@ fn prefetch_queues_behind_misses_and_pins_nothing() {
     let st = pool.stats();
     assert_eq!((st.layers[1].lookahead_routed, st.layers[1].lookahead_correct), (2, 1));
     assert_eq!(st.layers[1].lookahead_accuracy(), Some(0.5));
+}
+
+#[test]
+fn preload_all_makes_every_expert_resident_and_names_a_failed_read() {
+    let f = fixture();
+    let ef = &f.store.manifest.experts;
+    let (layers, experts) = (ef.layers.len(), ef.num_experts);
+    let too_small = host_pool(&f, layers * experts - 1, 2);
+    let e = format!("{:#}", too_small.preload_all().unwrap_err());
+    assert!(e.contains("cannot all be resident"), "{e}");
+
+    let pool = host_pool(&f, layers * experts, 2);
+    let slots = pool.preload_all().unwrap();
+    assert_eq!((slots.len(), slots[0].len()), (layers, experts));
+    let mut seen: Vec<usize> = slots.iter().flatten().copied().collect();
+    seen.sort_unstable();
+    seen.dedup();
+    assert_eq!(seen.len(), layers * experts, "every record has its own slot");
+    for (l, row) in slots.iter().enumerate() {
+        assert_eq!(pool.resident(l), (0..experts).collect::<Vec<_>>());
+        // The slots it returned are where an acquire finds the records, and every request hits.
+        let want: Vec<usize> = (0..experts).collect();
+        let lease = pool.acquire(l, &want).unwrap();
+        assert!(lease.entries().iter().all(|e| e.hit && e.slot == row[e.expert]));
+        check_bytes(&f, &lease);
+    }
+    assert_eq!(pool.stats().layers.iter().map(|l| l.evictions).sum::<u64>(), 0);
+
+    let dir = tempfile::tempdir().unwrap();
+    let bad = Arc::new(corrupted_copy(&f, dir.path(), 1, 2));
+    let memory = Arc::new(HostSlots::new(layers * experts, bad.record_bytes()).unwrap());
+    let pool = ExpertPool::new(bad, memory, 2).unwrap();
+    let e = format!("{:#}", pool.preload_all().unwrap_err());
+    assert!(e.contains("expert 2 of MoE layer 1") && e.contains("checksum"), "{e}");
 }

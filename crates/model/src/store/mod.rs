@@ -161,6 +161,13 @@ impl Store {
 
     /// Reads the record of (MoE slot, expert) into `buf` (`record_bytes` long) and checks its sum.
     pub fn read_expert(&self, slot: usize, expert: usize, buf: &mut [u8]) -> Result<()> {
+        self.read_expert_range(slot, expert, 0, buf)?;
+        self.verify_expert(slot, expert, buf)
+    }
+
+    /// Reads bytes `offset..offset + buf.len()` of the record of (MoE slot, expert), unchecked
+    /// (pieces of one record may be read in parallel; [`Store::verify_expert`] checks the whole).
+    pub fn read_expert_range(&self, slot: usize, expert: usize, offset: usize, buf: &mut [u8]) -> Result<()> {
         let ef = &self.manifest.experts;
         if slot >= ef.layers.len() || expert >= ef.num_experts {
             bail!(
@@ -169,11 +176,20 @@ impl Store {
                 ef.num_experts
             );
         }
+        if offset + buf.len() > ef.record_bytes as usize {
+            bail!("bytes {offset}..{} are outside an expert record of {}", offset + buf.len(), ef.record_bytes);
+        }
         let idx = ef.record_index(slot, expert);
         self.experts
-            .read_exact_at(buf, idx * ef.record_bytes)
-            .with_context(|| format!("read of expert record {idx} from {}/{} failed", self.dir.display(), ef.file))?;
-        let got = xxh3_64(buf);
+            .read_exact_at(buf, idx * ef.record_bytes + offset as u64)
+            .with_context(|| format!("read of expert record {idx} from {}/{} failed", self.dir.display(), ef.file))
+    }
+
+    /// Checks a whole record of (MoE slot, expert) against the store's checksum.
+    pub fn verify_expert(&self, slot: usize, expert: usize, record: &[u8]) -> Result<()> {
+        let ef = &self.manifest.experts;
+        let idx = ef.record_index(slot, expert);
+        let got = xxh3_64(record);
         if got != self.sums[idx as usize] {
             bail!(
                 "corrupted expert record: layer {} expert {expert} (record {idx} of {}/{}) has checksum {got:016x}, \
