@@ -17,7 +17,6 @@ use anyhow::{Context, Result, bail};
 use cherenkov_cuda::CudaModel;
 use cherenkov_cuda::gpu::{Gpu, measure_bandwidth};
 use cherenkov_cuda::slots::DeviceSlots;
-use cherenkov_engine::backend::Logits;
 use cherenkov_engine::policy::{Policy, simulate};
 use cherenkov_engine::residency::{ExpertPool, format_bytes, parse_size};
 use cherenkov_engine::routing::{Skew, SkewedRouting};
@@ -52,8 +51,9 @@ pub struct BenchArgs {
     /// leave a 48-layer model, applied to this model's layers.
     #[arg(long, default_value = "21G")]
     pub gpu_memory: String,
-    /// Skew of the synthetic routers (popularity, reuse: see engine::routing).
-    #[arg(long, default_value = "popularity=0.5,reuse=0.5")]
+    /// Skew of the synthetic routers: popularity, reuse, noise, model, seed (see engine::routing;
+    /// the defaults give about 24% consecutive-token sharing and 71% LRU hits with 17% cached).
+    #[arg(long, default_value = "popularity=0.55,reuse=0.25,noise=1,model=0.2")]
     pub synthetic_routing: String,
     /// Rows of the first n-gram head (the real table has 20M per head; fewer rows, same width).
     #[arg(long, default_value_t = 200_003)]
@@ -82,6 +82,8 @@ struct Case {
     dense_ms: f64,
     experts_ms: f64,
     wait_ms: f64,
+    /// Host time to queue a step's work (close to the step's time when the host sets the pace).
+    queue_ms: f64,
     /// Share of a token's experts the previous token also used (same layer).
     share: Option<f64>,
     trace: Vec<cherenkov_engine::policy::Step>,
@@ -188,7 +190,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     let tok = Tokenizer::from_dir(&store.dir)?;
     let prompt = prompt_tokens(&store.dir, &tok, None, "Explain hash collisions.", false)?;
     let experts_file = store.dir.join(&store.manifest.experts.file);
-    let run_case = |name: &str, slots: usize, cold: bool| -> Result<Case> {
+    let run_case = |name: &str, slots: usize, cold: bool, graphs: bool| -> Result<Case> {
         if cold {
             drop_page_cache(&experts_file)?;
         }
@@ -196,21 +198,26 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         let pool = Arc::new(ExpertPool::new(store.clone(), memory, args.io_threads)?);
         let mut model = CudaModel::new(store.clone(), gpu.clone(), pool.clone())?;
         model.skew = Some(Arc::new(SkewedRouting::new(skew)));
+        model.graphs = graphs;
         let mut s = model.new_session()?;
-        let mut logits = model.forward_tokens(&mut s, &prompt, Logits::Last)?;
-        // Sampled, not greedy: a random model's argmax repeats itself, which would make consecutive
-        // tokens route alike and flatter every cache.
-        let mut sampler = Sampler::new(SamplingParams { temperature: 1.0, seed: Some(7), ..SamplingParams::default() });
-        let mut next = |l: &[f32]| sampler.sample(&l[..tok.vocab_size().min(l.len())], &[]);
+        // Sampled (temperature 1, top-k 40), not greedy: a random model's argmax repeats itself.
+        // The 40 candidates are chosen on the device, as `run` and `serve` do for such settings.
+        let mut sampler =
+            Sampler::new(SamplingParams { temperature: 1.0, top_k: 40, seed: Some(7), ..SamplingParams::default() });
+        let k = sampler.candidates_needed().context("top-k sampling samples from candidates")?;
+        let among = tok.vocab_size().min(c.vocab_size);
+        let mut cands = model.forward_candidates(&mut s, &prompt, k, among)?;
         for _ in 0..args.warmup {
-            logits = model.forward_tokens(&mut s, &[next(&logits)], Logits::Last)?;
+            let t = sampler.sample_candidates(&cands)?;
+            cands = model.forward_candidates(&mut s, &[t], k, among)?;
         }
         pool.reset_stats();
         pool.record_trace(true);
         model.reset_timing();
         let t0 = std::time::Instant::now();
         for _ in 0..args.tokens {
-            logits = model.forward_tokens(&mut s, &[next(&logits)], Logits::Last)?;
+            let t = sampler.sample_candidates(&cands)?;
+            cands = model.forward_candidates(&mut s, &[t], k, among)?;
         }
         let secs = t0.elapsed().as_secs_f64();
         let st = pool.stats();
@@ -226,15 +233,17 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             dense_ms: tm.dense_ns() as f64 / 1e6 / n,
             experts_ms: tm.experts_ns as f64 / 1e6 / n,
             wait_ms: tm.wait_ns as f64 / 1e6 / n,
+            queue_ms: tm.queue_ns as f64 / 1e6 / n,
             share: model.skew.as_ref().and_then(|k| k.consecutive_share()),
             trace: pool.take_trace(),
         })
     };
     let all = store.manifest.experts.records() as usize;
     let cases = [
-        run_case("all experts resident", all, false)?,
-        run_case(&format!("{} budget, page cache warm", args.gpu_memory), streamed_slots, false)?,
-        run_case(&format!("{} budget, page cache cold", args.gpu_memory), streamed_slots, true)?,
+        run_case("all experts resident", all, false, true)?,
+        run_case("all experts resident, no CUDA graphs", all, false, false)?,
+        run_case(&format!("{} budget, page cache warm", args.gpu_memory), streamed_slots, false, true)?,
+        run_case(&format!("{} budget, page cache cold", args.gpu_memory), streamed_slots, true, true)?,
     ];
 
     // Roofline.
@@ -244,12 +253,13 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     let per_layer = |tok_s: f64| tok_s * c.num_hidden_layers as f64 / 48.0;
 
     // The policy study on the warm streamed run's trace.
-    let trace = &cases[1].trace;
+    // Cases: 0 resident, 1 resident without graphs, 2 streamed warm, 3 streamed cold.
+    let trace = &cases[2].trace;
     let mut policies = Vec::new();
     for p in [
         Policy::Lru,
-        Policy::Lrfu { lambda: 0.5 },
         Policy::Lrfu { lambda: 0.1 },
+        Policy::Lrfu { lambda: 0.03 },
         Policy::Lrfu { lambda: 0.01 },
         Policy::Belady,
     ] {
@@ -309,6 +319,10 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         c.num_experts, c.num_hidden_layers, skew.label()
     ));
     md.push_str(&format!(
+        "Decoding: {} timed tokens after {} warm-up ones, sampled at temperature 1 from the top 40 (chosen on the GPU).  \n",
+        args.tokens, args.warmup
+    ));
+    md.push_str(&format!(
         "Resident bytes per token: {} (dense read {} + {} experts of {}); roofline at the measured device bandwidth: {:.0} tok/s.\n\n",
         format_bytes(resident_bytes as u64),
         format_bytes(dense_read),
@@ -316,10 +330,10 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         format_bytes(record),
         roofline
     ));
-    md.push_str("| case | expert slots | tok/s | 48-layer tok/s (per-layer extrapolation) | hit rate | lookahead accuracy | read per token | dense ms/tok | experts ms/tok | waiting ms/tok | vs roofline / PCIe bound |\n");
-    md.push_str("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+    md.push_str("| case | expert slots | tok/s | 48-layer tok/s (per-layer extrapolation) | hit rate | lookahead accuracy | read per token | dense ms/tok | experts ms/tok | waiting ms/tok | host queueing ms/tok | vs roofline / PCIe bound |\n");
+    md.push_str("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
     for (i, k) in cases.iter().enumerate() {
-        let ratio = if i == 0 {
+        let ratio = if i < 2 {
             format!("{:.1}% of HBM roofline", 100.0 * k.tok_s / roofline)
         } else {
             let t_io = k.bytes_per_token / bw.host_to_device;
@@ -327,7 +341,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             format!("{:.1}% of the PCIe bound ({:.0} tok/s)", 100.0 * k.tok_s / bound, bound)
         };
         md.push_str(&format!(
-            "| {} | {} | {:.1} | {:.1} | {:.1}% | {} | {} | {:.2} | {:.2} | {:.2} | {} |\n",
+            "| {} | {} | {:.1} | {:.1} | {:.1}% | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {} |\n",
             k.name,
             k.slots,
             k.tok_s,
@@ -338,6 +352,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             k.dense_ms,
             k.experts_ms,
             k.wait_ms,
+            k.queue_ms,
             ratio
         ));
     }
@@ -351,9 +366,10 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         md.push_str(&format!("| {name} | {:.1}% | {:.1}% |\n", 100.0 * h, 100.0 * h / belady.max(1e-9)));
     }
     md.push_str(&format!(
-        "\nThe pool itself (LRU with lookahead prefetch) hit {:.1}% in that run. Consecutive tokens shared {} of their experts per layer.\n",
-        100.0 * cases[1].hit_rate,
-        cases[1].share.map_or("-".to_string(), |s| format!("{:.1}%", 100.0 * s))
+        "\nThe pool itself ({} with lookahead prefetch) hit {:.1}% in that run. Consecutive tokens shared {} of their experts per layer.\n",
+        cherenkov_engine::residency::Eviction::DEFAULT.label(),
+        100.0 * cases[2].hit_rate,
+        cases[2].share.map_or("-".to_string(), |s| format!("{:.1}%", 100.0 * s))
     ));
     if let Some(p) = &peer {
         let tps = p["tokens_per_s"].as_f64().unwrap_or(0.0);
@@ -372,7 +388,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     let cases_json: Vec<_> = cases
         .iter()
         .map(|k| json!({"case": k.name, "slots": k.slots, "tok_s": k.tok_s, "hit_rate": k.hit_rate, "lookahead_accuracy": k.lookahead,
-                        "bytes_per_token": k.bytes_per_token, "dense_ms": k.dense_ms, "experts_ms": k.experts_ms, "wait_ms": k.wait_ms}))
+                        "bytes_per_token": k.bytes_per_token, "dense_ms": k.dense_ms, "experts_ms": k.experts_ms, "wait_ms": k.wait_ms, "queue_ms": k.queue_ms}))
         .collect();
     let j = json!({"date": date, "gpu": gpu.info.name, "device_bw": bw.device, "h2d_bw": bw.host_to_device, "layers": c.num_hidden_layers,
                    "experts": c.num_experts, "skew": skew, "roofline_tok_s": roofline, "cases": cases_json,

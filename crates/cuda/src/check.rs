@@ -115,6 +115,7 @@ pub fn linear_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
             });
         }
     }
+    rows.extend(tiled_checks(gpu, rng)?);
     for dtype in [DType::BF16, DType::F16, DType::F32] {
         let w = rng.normal(r * cols, 0.05);
         let data: Vec<u8> = match dtype {
@@ -133,6 +134,181 @@ pub fn linear_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
         let mut got = vec![0f32; r];
         gpu.dtoh(dy.ptr, &mut got)?;
         rows.push(CheckRow { name: format!("matvec {dtype}"), rel_err: rel_err(&got, &want), limit: LINEAR_LIMIT });
+    }
+    Ok(rows)
+}
+
+/// A random quantized matrix on the device, with its CPU reference product for `x`.
+fn rand_linear(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    fmt: Affine,
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+) -> Result<(DevLinear, Vec<crate::gpu::DevBuf>, Vec<f32>)> {
+    let w = rng.normal(rows * cols, 0.05);
+    let bf: Vec<u16> = w.iter().map(|&v| f32_to_bf16(v)).collect();
+    let q = quantize_matrix(&bf, rows, cols, fmt);
+    let cpu = Linear::Affine { fmt, rows, cols, words: &q.words, scales: &q.scales, biases: &q.biases };
+    let mut want = vec![0f32; rows];
+    cpu.forward(&x[..cols], &mut want);
+    let (dw, ds, db) =
+        (gpu.alloc(q.words.len() * 4, "w")?, gpu.alloc(q.scales.len() * 2, "s")?, gpu.alloc(q.biases.len() * 2, "b")?);
+    gpu.htod(dw.ptr, &q.words)?;
+    gpu.htod(ds.ptr, &q.scales)?;
+    gpu.htod(db.ptr, &q.biases)?;
+    let lin = DevLinear {
+        precision: Precision::Affine { bits: fmt.bits, group_size: fmt.group_size },
+        rows,
+        cols,
+        data: dw.ptr,
+        scales: ds.ptr,
+        biases: db.ptr,
+    };
+    Ok((lin, vec![dw, ds, db], want))
+}
+
+/// The tiled kernels on the model's shapes: column-split matvecs (few rows, many columns), several
+/// matrices of one input in one launch (`matvec_many`), and the expert kernels on synthetic
+/// records (gate/up tiles, down tiles, tagged address-table entries).
+fn tiled_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
+    use cherenkov_model::store::{ExpertLayout, RecordMatrix, Span};
+    let mut rows = Vec::new();
+    let x = rng.normal(10240, 1.0);
+    let dx = gpu.alloc(x.len() * 4, "check input")?;
+    gpu.htod(dx.ptr, &x)?;
+    let dy = gpu.alloc(8192 * 4, "check output")?;
+    let read = |ptr: u64, n: usize| -> Result<Vec<f32>> {
+        let mut v = vec![0f32; n];
+        gpu.dtoh(ptr, &mut v)?;
+        Ok(v)
+    };
+    for (bits, gs) in [(2u32, 128usize), (4, 64), (8, 32)] {
+        let fmt = Affine::new(bits, gs);
+        for (r, c) in [(4, 10240), (1, 2560), (48, 2560), (320, 10240)] {
+            let (lin, _bufs, want) = rand_linear(gpu, rng, fmt, r, c, &x)?;
+            lin.matvec(gpu, dx.ptr, dy.ptr)?;
+            rows.push(CheckRow {
+                name: format!("matvec q{bits} g{gs} {r}x{c} (columns split)"),
+                rel_err: rel_err(&read(dy.ptr, r)?, &want),
+                limit: LINEAR_LIMIT,
+            });
+        }
+        // Five parts: one launch of four, then one of one.
+        let shapes = [1000usize, 48, 1, 256, 7];
+        let mut lins = Vec::new();
+        let mut want = Vec::new();
+        let mut keep = Vec::new();
+        for &r in &shapes {
+            let (lin, bufs, w) = rand_linear(gpu, rng, fmt, r, 2560, &x)?;
+            lins.push(lin);
+            want.extend(w);
+            keep.push(bufs);
+        }
+        let mut at = 0u64;
+        let parts: Vec<(&DevLinear, u64)> = lins
+            .iter()
+            .map(|l| {
+                let y = dy.ptr + at * 4;
+                at += l.rows as u64;
+                (l, y)
+            })
+            .collect();
+        crate::weights::matvec_many(gpu, dx.ptr, &parts)?;
+        rows.push(CheckRow {
+            name: format!("matvec_many q{bits} g{gs} (5 parts of 2560 inputs)"),
+            rel_err: rel_err(&read(dy.ptr, want.len())?, &want),
+            limit: LINEAR_LIMIT,
+        });
+
+        // Experts: 2 records, 3 table entries (the third repeats the first), tagged like the pool.
+        // The released widths (a width that is not a multiple of the group never gets quantized).
+        let (inter, h) = (640usize, 2560usize);
+        let mats: Vec<_> = (0..2)
+            .map(|_| {
+                let g = rng.normal(inter * h, 0.05);
+                let u = rng.normal(inter * h, 0.05);
+                let d = rng.normal(h * inter, 0.05);
+                let q = |w: &[f32], r: usize, c: usize| {
+                    let bf: Vec<u16> = w.iter().map(|&v| f32_to_bf16(v)).collect();
+                    quantize_matrix(&bf, r, c, fmt)
+                };
+                (q(&g, inter, h), q(&u, inter, h), q(&d, h, inter))
+            })
+            .collect();
+        let mut rec: Vec<u8> = Vec::new();
+        let span = |rec: &mut Vec<u8>, bytes: Vec<u8>| {
+            while !rec.len().is_multiple_of(16) {
+                rec.push(0);
+            }
+            let s = Span { offset: rec.len() as u64, len: bytes.len() as u64 };
+            rec.extend(bytes);
+            s
+        };
+        let words = |w: &[u32]| w.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>();
+        let halves = |w: &[u16]| w.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>();
+        let mut records = Vec::new();
+        let mut layout = None;
+        for (g, u, d) in &mats {
+            rec.clear();
+            let mut m = |q: &cherenkov_model::quant::QuantizedMatrix, shape: [usize; 2]| RecordMatrix {
+                shape,
+                precision: Precision::Affine { bits, group_size: gs },
+                data: span(&mut rec, words(&q.words)),
+                scales: Some(span(&mut rec, halves(&q.scales))),
+                biases: Some(span(&mut rec, halves(&q.biases))),
+            };
+            let l = ExpertLayout {
+                layer: "check".into(),
+                gate_proj: m(g, [inter, h]),
+                up_proj: m(u, [inter, h]),
+                down_proj: m(d, [h, inter]),
+            };
+            layout = Some(l);
+            records.push(rec.clone());
+        }
+        let layout = layout.expect("two records");
+        let record_bytes = records[0].len().div_ceil(4096) * 4096;
+        let pool = gpu.alloc(record_bytes * 2, "check records")?;
+        for (i, r) in records.iter().enumerate() {
+            gpu.htod(pool.at(i * record_bytes), r)?;
+        }
+        let tag = if bits == 2 { crate::model::TAG_Q2 } else { 0 };
+        let entries = [0usize, 1, 0];
+        let table: Vec<u64> = entries.iter().map(|&e| pool.at(e * record_bytes) | tag).collect();
+        let dtable = gpu.alloc(table.len() * 8, "check table")?;
+        gpu.htod(dtable.ptr, &table)?;
+        let act = gpu.alloc(entries.len() * inter * 4, "check act")?;
+        let out = gpu.alloc(entries.len() * h * 4, "check out")?;
+        let io = crate::weights::ExpertIo { x: dx.ptr, act: act.ptr, out: out.ptr };
+        // Entry 0 alone, then entries 1 and 2 (a nonzero `first`), as the streaming path does.
+        crate::weights::launch_experts(gpu, &layout, record_bytes, dtable.ptr, 0, 1, io, (inter, h))?;
+        crate::weights::launch_experts(gpu, &layout, record_bytes, dtable.ptr, 1, 2, io, (inter, h))?;
+        let (mut want_act, mut want_out) = (Vec::new(), Vec::new());
+        for &e in &entries {
+            let (g, u, d) = &mats[e];
+            let f = |q: &cherenkov_model::quant::QuantizedMatrix, r: usize, c: usize, v: &[f32]| {
+                let mut y = vec![0f32; r];
+                Linear::Affine { fmt, rows: r, cols: c, words: &q.words, scales: &q.scales, biases: &q.biases }
+                    .forward(v, &mut y);
+                y
+            };
+            let (gv, uv) = (f(g, inter, h, &x[..h]), f(u, inter, h, &x[..h]));
+            let a: Vec<f32> = gv.iter().zip(&uv).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u).collect();
+            want_out.extend(f(d, h, inter, &a));
+            want_act.extend(a);
+        }
+        rows.push(CheckRow {
+            name: format!("expert gate/up q{bits} g{gs} (3 entries)"),
+            rel_err: rel_err(&read(act.ptr, want_act.len())?, &want_act),
+            limit: LINEAR_LIMIT,
+        });
+        rows.push(CheckRow {
+            name: format!("expert down q{bits} g{gs} (3 entries)"),
+            rel_err: rel_err(&read(out.ptr, want_out.len())?, &want_out),
+            limit: LINEAR_LIMIT,
+        });
     }
     Ok(rows)
 }
@@ -210,6 +386,7 @@ pub fn block_checks(cuda: &CudaModel, cpu: &CpuModel, rng: &mut Rng, label: &str
                     let hv = rng.normal(h, 1.0);
                     let want = attention::forward(store, &c, &rope, ca, &mut st, &hv, pos);
                     g.htod(sc.inp.ptr, &hv)?;
+                    cuda.load_step_inputs(&sc, 0, pos)?;
                     cuda.attention(&mut sc, ga, dst, pos)?;
                     worst = worst.max(rel_err(&read(sc.out.ptr, h)?, &want));
                 }
@@ -233,7 +410,8 @@ pub fn block_checks(cuda: &CudaModel, cpu: &CpuModel, rng: &mut Rng, label: &str
                 g.htod(sc.x.ptr, &x)?;
                 let emb = ple::gather_embeddings(store, &c, &hash, table, &[tok], &ctx)?;
                 ple::forward(store, &c, cp, &emb, &mut x, &mut conv);
-                cuda.ple(&sc, gp, &hash, i, tok, &ctx, &dconv)?;
+                cuda.ple_gather(&sc, &hash, i, tok, &ctx)?;
+                cuda.ple(&sc, gp, i, &dconv)?;
                 worst = worst.max(rel_err(&read(sc.x.ptr, width)?, &x));
                 ctx.insert(0, if step == 2 { c.eos().unwrap_or(0) } else { tok });
                 ctx.truncate(c.ngram_size - 1);
@@ -246,7 +424,7 @@ pub fn block_checks(cuda: &CudaModel, cpu: &CpuModel, rng: &mut Rng, label: &str
             let hv = rng.normal(h, 1.0);
             let want = moe::forward(store, &c, &layer.moe, &cpu.pool, &hv, None, None)?;
             g.htod(sc.inp.ptr, &hv)?;
-            cuda.moe(&mut sc, &dw.layers[i].moe, None)?;
+            cuda.moe_alone(&mut sc, &dw.layers[i].moe)?;
             worst = worst.max(rel_err(&read(sc.out.ptr, h)?, &want));
         }
         push(format!("layer {i} MoE (router, top-k, experts, shared expert)"), worst, BLOCK_LIMIT);
@@ -280,7 +458,8 @@ pub fn block_checks(cuda: &CudaModel, cpu: &CpuModel, rng: &mut Rng, label: &str
         let mut row = vec![0f32; h];
         embed.row(tok as usize, &mut row);
         let want: Vec<f32> = (0..c.hc_count).flat_map(|_| row.iter().copied()).collect();
-        dw.embed_tokens.embed(g, tok, sc.x.ptr, c.hc_count)?;
+        cuda.load_step_inputs(&sc, tok, 0)?;
+        dw.embed_tokens.embed(g, sc.step_in.ptr, sc.x.ptr, c.hc_count)?;
         worst = worst.max(rel_err(&read(sc.x.ptr, width)?, &want));
     }
     push("embedding rows".into(), worst, LINEAR_LIMIT);

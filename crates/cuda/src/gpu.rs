@@ -94,6 +94,10 @@ pub const BLOCKS_WANTED: usize = 528;
 /// Largest input vector (bytes) a kernel stages in shared memory.
 pub const MAX_STAGED_X: usize = 160 << 10;
 
+/// Bytes of the zeroed scratch the split matvecs use (`matvec_many_q*` in linear.cu: 64 floats of
+/// counters, then 4 parts of 16384 partial sums).
+pub const SPLIT_SCRATCH_BYTES: usize = (64 + 4 * 16384) * 4;
+
 /// A kernel argument, passed by value.
 #[derive(Clone, Copy, Debug)]
 pub enum Arg {
@@ -109,6 +113,9 @@ pub struct Gpu {
     pub info: GpuInfo,
     funcs: HashMap<&'static str, sys::CUfunction>,
     _module: sys::CUmodule,
+    /// Zeroed scratch of the split matvecs ([`SPLIT_SCRATCH_BYTES`]): their counters are back to
+    /// zero after every launch, and launches on the one compute stream never overlap.
+    pub split_scratch: DevBuf,
 }
 
 // SAFETY: the raw handles are only used with the context bound; the driver API is thread-safe.
@@ -149,7 +156,16 @@ impl Gpu {
         }
         let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
             .map_err(|e| anyhow::anyhow!("cannot create a CUDA stream: {e}"))?;
-        Ok(Arc::new(Gpu { ctx, stream, info, funcs, _module: module }))
+        ctx.bind_to_thread().map_err(|e| anyhow::anyhow!("cannot bind the CUDA context: {e}"))?;
+        // SAFETY: plain allocation in the bound context, zeroed before any kernel runs.
+        let split_scratch = unsafe {
+            let ptr = cu::malloc_sync(SPLIT_SCRATCH_BYTES)
+                .map_err(|e| anyhow::anyhow!("cannot allocate the matvec scratch: {e}"))?;
+            let buf = DevBuf { ptr, bytes: SPLIT_SCRATCH_BYTES, ctx: ctx.clone() };
+            cu::memset_d8_sync(ptr, 0, SPLIT_SCRATCH_BYTES).map_err(|e| anyhow::anyhow!("memset failed: {e}"))?;
+            buf
+        };
+        Ok(Arc::new(Gpu { ctx, stream, info, funcs, _module: module, split_scratch }))
     }
 
     pub fn bind(&self) -> Result<()> {
@@ -252,6 +268,220 @@ impl Gpu {
         // the first 4 bytes of those).
         unsafe { cu::launch_kernel(f, grid, (block, 1, 1), shmem, self.stream, &mut ptrs) }
             .map_err(|e| anyhow::anyhow!("launch of {name} failed: {e}"))
+    }
+}
+
+/// Page-locked host memory mapped into the device's address space: the copy engine reads and
+/// writes it directly, so copies from and to it are truly asynchronous (a copy from pageable
+/// memory synchronises the stream first), and kernels may read or write it over the bus.
+pub struct Pinned {
+    pub host: *mut u8,
+    /// The same bytes as seen from the device.
+    pub dev: u64,
+    pub bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: plain memory; callers order host and device accesses (events or stream syncs).
+unsafe impl Send for Pinned {}
+unsafe impl Sync for Pinned {}
+
+impl Pinned {
+    /// The buffer as host values of type `T` (`bytes / size_of::<T>()` of them).
+    ///
+    /// # Safety
+    /// No device work may be writing these bytes while the slice lives.
+    pub unsafe fn as_slice<T: Copy>(&self) -> &[T] {
+        // SAFETY: the allocation holds `bytes` bytes, page aligned; the caller excludes writers.
+        unsafe { std::slice::from_raw_parts(self.host as *const T, self.bytes / std::mem::size_of::<T>()) }
+    }
+
+    /// The buffer as mutable host values of type `T`.
+    ///
+    /// # Safety
+    /// No device work may be reading or writing these bytes while the slice lives.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn as_mut_slice<T: Copy>(&self) -> &mut [T] {
+        // SAFETY: as above; the caller excludes every other access.
+        unsafe { std::slice::from_raw_parts_mut(self.host as *mut T, self.bytes / std::mem::size_of::<T>()) }
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: allocated by cuMemHostAlloc in this context, freed once.
+        unsafe {
+            let _ = cu::free_host(self.host as *mut c_void);
+        }
+    }
+}
+
+/// A CUDA event on the compute stream: a point in its work the host can wait for, and (when made
+/// with timing) a clock reading.
+pub struct Event {
+    raw: sys::CUevent,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: event handles are used with the context bound; the driver API is thread-safe.
+unsafe impl Send for Event {}
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// Waits until the work recorded before this event has finished (not the whole stream).
+    pub fn wait(&self) -> Result<()> {
+        // SAFETY: raw is a live event of this context.
+        unsafe { cu::event::synchronize(self.raw) }.map_err(|e| anyhow::anyhow!("a CUDA kernel failed: {e}"))
+    }
+
+    /// Milliseconds from `start` to this event (both recorded with timing and completed).
+    pub fn since(&self, start: &Event) -> Result<f32> {
+        // SAFETY: both are live timing events of this context.
+        unsafe { cu::event::elapsed(start.raw, self.raw) }.map_err(|e| anyhow::anyhow!("cannot time CUDA events: {e}"))
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: created in this context, destroyed once.
+        unsafe {
+            let _ = cu::event::destroy(self.raw);
+        }
+    }
+}
+
+impl Gpu {
+    /// Allocates `bytes` of mapped, page-locked host memory (zeroed).
+    pub fn pinned(&self, bytes: usize, what: &str) -> Result<Pinned> {
+        self.bind()?;
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: plain pinned allocation in the bound context.
+        let host = unsafe { cu::malloc_host(bytes.max(1), flags) }
+            .map_err(|e| anyhow::anyhow!("cannot allocate {bytes} bytes of pinned host memory for {what}: {e}"))?
+            as *mut u8;
+        let mut dev: sys::CUdeviceptr = 0;
+        // SAFETY: host was just allocated with DEVICEMAP in this context.
+        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host as *mut c_void, 0) };
+        let p = Pinned { host, dev, bytes: bytes.max(1), ctx: self.ctx.clone() };
+        r.result().map_err(|e| anyhow::anyhow!("cannot map pinned host memory for {what} into the GPU: {e}"))?;
+        // SAFETY: nothing else uses the fresh buffer.
+        unsafe { p.as_mut_slice::<u8>() }.fill(0);
+        Ok(p)
+    }
+
+    /// Queues a copy of `bytes` from `src` (offset `off`) to device address `dst`; returns at once.
+    /// The host must not change those bytes until the stream has passed the copy.
+    pub fn upload(&self, dst: u64, src: &Pinned, off: usize, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        if off + bytes > src.bytes {
+            bail!("upload of {bytes} bytes at {off} overruns a pinned buffer of {}", src.bytes);
+        }
+        // SAFETY: the range lies inside the pinned buffer; dst has room (callers size both).
+        let r = unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.host.add(off) as *const c_void, bytes, self.stream) };
+        r.result().map_err(|e| anyhow::anyhow!("host-to-device copy failed: {e}"))
+    }
+
+    /// Queues a copy of `bytes` from device address `src` into `dst` (offset `off`); returns at once.
+    /// The host may read those bytes once the stream has passed the copy (an event or a sync).
+    pub fn download(&self, dst: &Pinned, off: usize, src: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        if off + bytes > dst.bytes {
+            bail!("download of {bytes} bytes at {off} overruns a pinned buffer of {}", dst.bytes);
+        }
+        // SAFETY: the range lies inside the pinned buffer; src holds `bytes` (callers size both).
+        let r = unsafe { sys::cuMemcpyDtoHAsync_v2(dst.host.add(off) as *mut c_void, src, bytes, self.stream) };
+        r.result().map_err(|e| anyhow::anyhow!("device-to-host copy failed: {e}"))
+    }
+
+    /// A new event; `timing` events can also be read as clocks ([`Event::since`]).
+    pub fn event(&self, timing: bool) -> Result<Event> {
+        self.bind()?;
+        let flags =
+            if timing { sys::CUevent_flags::CU_EVENT_DEFAULT } else { sys::CUevent_flags::CU_EVENT_DISABLE_TIMING };
+        let raw = cu::event::create(flags).map_err(|e| anyhow::anyhow!("cannot create a CUDA event: {e}"))?;
+        Ok(Event { raw, ctx: self.ctx.clone() })
+    }
+
+    /// Records `ev` at the current end of the compute stream.
+    pub fn record(&self, ev: &Event) -> Result<()> {
+        // SAFETY: ev is a live event of this context; the stream belongs to it.
+        unsafe { cu::event::record(ev.raw, self.stream) }
+            .map_err(|e| anyhow::anyhow!("cannot record a CUDA event: {e}"))
+    }
+}
+
+/// A captured and instantiated sequence of the compute stream's work, replayed as one launch.
+pub struct Graph {
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: graph handles are used with the context bound; the driver API is thread-safe.
+unsafe impl Send for Graph {}
+unsafe impl Sync for Graph {}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: both were created in this context and are destroyed once.
+        unsafe {
+            let _ = cu::graph::exec_destroy(self.exec);
+            let _ = cu::graph::destroy(self.graph);
+        }
+    }
+}
+
+impl Gpu {
+    /// Records instead of running: the work `queue` puts on the compute stream becomes a [`Graph`].
+    /// Nothing in `queue` may wait for the stream or allocate. On error the capture is ended and
+    /// discarded, so the stream is usable again.
+    pub fn capture(&self, queue: impl FnOnce() -> Result<()>) -> Result<Graph> {
+        self.bind()?;
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        // SAFETY: the stream belongs to this context and is not being captured.
+        unsafe { cu::stream::begin_capture(self.stream, mode) }
+            .map_err(|e| anyhow::anyhow!("cannot start capturing a CUDA graph: {e}"))?;
+        let queued = queue();
+        // SAFETY: the capture begun above, on this thread.
+        let ended = unsafe { cu::stream::end_capture(self.stream) };
+        let graph = match (queued, ended) {
+            (Ok(()), Ok(g)) => g,
+            (Err(e), ended) => {
+                if let Ok(g) = ended {
+                    // SAFETY: a graph the capture just returned.
+                    unsafe {
+                        let _ = cu::graph::destroy(g);
+                    }
+                }
+                return Err(e.context("while capturing a CUDA graph"));
+            }
+            (Ok(()), Err(e)) => bail!("capturing a CUDA graph failed: {e}"),
+        };
+        // SAFETY: a complete graph of this context.
+        match unsafe { cu::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) } {
+            Ok(exec) => Ok(Graph { graph, exec, ctx: self.ctx.clone() }),
+            Err(e) => {
+                // SAFETY: as above.
+                unsafe {
+                    let _ = cu::graph::destroy(graph);
+                }
+                bail!("cannot instantiate a CUDA graph: {e}")
+            }
+        }
+    }
+
+    /// Queues a replay of `graph` on the compute stream.
+    pub fn replay(&self, graph: &Graph) -> Result<()> {
+        // SAFETY: graph was instantiated in this context; the stream belongs to it.
+        unsafe { cu::graph::launch(graph.exec, self.stream) }
+            .map_err(|e| anyhow::anyhow!("cannot launch a CUDA graph: {e}"))
     }
 }
 

@@ -1,11 +1,25 @@
 //! The `qwen4_exp` forward on the GPU, one token at a time.
 //!
 //! Same block order and equations as `cherenkov_cpu::model`; every intermediate stays on the
-//! device. Per MoE block the router's top-k choices come back to the host, the host forms the
-//! step's experts, leases them from the expert pool (misses are read by IO threads into their
-//! device slots) and writes the address table: one u64 per expert (device address of its record,
-//! precision tag in bits 63/62), then the resident count and the total count; the expert kernels
-//! follow the table, and the outputs are combined per row in top-k order.
+//! device, and the host never waits for the whole device inside a step. Per MoE block the router
+//! (top-k on the device) writes the step's address table: one u64 per chosen expert (device address
+//! of its record, precision tag in bits 63/62), in the order the expert kernels take them.
+//!
+//! - Every expert resident (the cache holds the whole store): the records are loaded once
+//!   ([`ExpertPool::preload_all`]) and a device map from expert to record lets the router kernel
+//!   write the table itself. No host round trip per layer: the step is captured once as a CUDA
+//!   graph and replayed (kernels read the position from the step inputs on the device), and the
+//!   host learns the step's routing (statistics, synthetic-router state) from a copy after it.
+//! - Streaming (a bounded cache): the handshake per MoE block is
+//!   1. router ready: the router kernel writes its choice into host-mapped memory and an event
+//!      marks it; the host waits for that event only (the shared expert is still running);
+//!   2. table ready: the host leases the experts (misses go to the IO threads, then the
+//!      lookahead's predicted experts for the next block behind them), writes the table with the
+//!      resident experts first and queues their kernels;
+//!   3. resident done: those kernels run while the reads finish;
+//!   4. reads done: the host queues the kernels of the experts that were read, then the
+//!      combination. The lease (which keeps the slots from being reused) is released once a later
+//!      event shows those kernels finished.
 
 use std::sync::{Arc, Mutex};
 
@@ -13,17 +27,16 @@ use anyhow::{Context, Result, bail};
 use cherenkov_cpu::ple::gather_embeddings;
 use cherenkov_cpu::weights::Weights;
 use cherenkov_engine::backend::{Backend, Logits};
-use cherenkov_engine::residency::ExpertPool;
-use cherenkov_engine::routing::top_k;
+use cherenkov_engine::residency::{ExpertPool, Lease};
 use cherenkov_engine::stats::{ExpertStats, ForwardStats, PoolStats};
 use cherenkov_model::config::{GateAct, TextConfig};
 use cherenkov_model::ngram::NgramHash;
 use cherenkov_model::store::{ExpertLayout, Precision, RecordMatrix, Store};
 
-use crate::gpu::{Arg, BLOCKS_WANTED, DevBuf, Gpu, blocks, rows_per_block};
+use crate::gpu::{Arg, DevBuf, Event, Gpu, Graph, Pinned, blocks};
 use crate::session::{CudaSession, MixerState};
 use crate::slots::DeviceSlots;
-use crate::weights::{DeviceWeights, HyperConnection, Mixer};
+use crate::weights::{DeviceWeights, HyperConnection, Mixer, matvec_many};
 
 /// Precision tags of address-table entries.
 pub const TAG_Q3: u64 = 1 << 63;
@@ -49,8 +62,12 @@ pub struct StepTiming {
     pub total_ns: u64,
     /// Waiting for expert reads (`Lease::wait_all`), ns.
     pub wait_ns: u64,
-    /// Routed-expert kernels (from the table upload to their completion), ns.
+    /// Routed-expert kernels' GPU time (CUDA events around them), ns; steps replayed from a
+    /// CUDA graph are not timed (their expert time counts as dense).
     pub experts_ns: u64,
+    /// Host time spent queueing the steps' work, up to the final wait for the GPU, ns (close to
+    /// `total_ns` when the host, not the GPU, sets the pace).
+    pub queue_ns: u64,
 }
 
 impl StepTiming {
@@ -70,8 +87,6 @@ pub(crate) struct Scratch {
     pub(crate) inj: DevBuf,
     pub(crate) out: DevBuf,
     pub(crate) big: [DevBuf; 6],
-    pub(crate) table: DevBuf,
-    pub(crate) rank_entry: DevBuf,
     pub(crate) weights: DevBuf,
     pub(crate) ids: DevBuf,
     pub(crate) act: DevBuf,
@@ -79,6 +94,80 @@ pub(crate) struct Scratch {
     pub(crate) scores: DevBuf,
     pub(crate) idx: DevBuf,
     pub(crate) logits: DevBuf,
+    pub(crate) moe: MoeBufs,
+    /// The step inputs the kernels read: token, position (i32 each); and their host side.
+    pub(crate) step_in: DevBuf,
+    pub(crate) step_host: Pinned,
+}
+
+/// What a captured step depends on besides the step inputs: the session's buffers (its identity
+/// and their generation), whether it ends with the logits, and the attention scratch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct GraphKey {
+    session: u64,
+    generation: u64,
+    logits: bool,
+    scores: u64,
+}
+
+/// Per MoE layer (the store's expert slot index `l`, `k` entries each): what the router and the
+/// lookahead choose, the address tables, and the synthetic routers' biases; host sides mapped.
+pub(crate) struct MoeBufs {
+    /// Top-k ids and weights `[l, k]`.
+    ids: DevBuf,
+    weights: DevBuf,
+    /// The router's ids as the host sees them `[l, k]` (i32).
+    ids_host: Pinned,
+    /// The lookahead's predicted ids `[l, k]` (device scratch and host copy).
+    pred_ids: DevBuf,
+    pred_weights: DevBuf,
+    pred_host: Pinned,
+    /// Address tables `[l, k]` (u64) and, per top-k rank, its table entry `[l, k]` (i32).
+    tables: DevBuf,
+    ranks: DevBuf,
+    tables_host: Pinned,
+    ranks_host: Pinned,
+    /// Synthetic-router biases `[l, 2, E]`: for routing, then for predicting.
+    bias: DevBuf,
+    bias_host: Pinned,
+    /// PLE rows gathered on the host `[decoder layer, ple_embed_dim]`.
+    ple_host: Pinned,
+    /// Expert address per (layer, expert) `[l, E]` when every expert is resident.
+    map: Option<DevBuf>,
+    /// Whether residency was decided (the first step decides).
+    decided: bool,
+    /// Per MoE layer: router ready; resident experts' kernels start/end; read experts' start/end.
+    events: Vec<[Event; 5]>,
+}
+
+/// One step's MoE bookkeeping: the lease whose kernels may still run, the MoE layers routed, and
+/// the time the host waited on reads.
+pub(crate) struct MoeStep<'p> {
+    pending: Option<Lease<'p, DeviceSlots>>,
+    routed: Vec<usize>,
+    /// MoE layers whose read experts' kernels were timed (streaming with misses).
+    read_timed: Vec<usize>,
+    wait_ns: u64,
+    start: std::time::Instant,
+    /// Host time until everything up to the logits was queued.
+    queued_ns: Option<u64>,
+    /// Being captured into a graph, or replayed from one: no timing events (a captured event
+    /// record cannot be read as a clock).
+    untimed: bool,
+}
+
+impl MoeStep<'_> {
+    pub(crate) fn new() -> Self {
+        MoeStep {
+            pending: None,
+            routed: Vec::new(),
+            read_timed: Vec::new(),
+            wait_ns: 0,
+            start: std::time::Instant::now(),
+            queued_ns: None,
+            untimed: false,
+        }
+    }
 }
 
 pub struct CudaModel {
@@ -90,6 +179,10 @@ pub struct CudaModel {
     /// Lookahead: apply the next layer's router to this layer's MoE input and prefetch its experts
     /// behind the step's own misses.
     pub lookahead: bool,
+    /// Replay steps that never wait for the host (every expert resident) as CUDA graphs.
+    pub graphs: bool,
+    /// Captured steps and what each was captured for (the most recently used last).
+    graph: Mutex<Vec<(GraphKey, Graph)>>,
     predicted: Mutex<Vec<Option<Vec<usize>>>>,
     /// Accumulated decode timing (reset with [`CudaModel::reset_timing`]).
     timing: Mutex<StepTiming>,
@@ -103,6 +196,34 @@ fn f32s(n: usize) -> usize {
     n.max(1) * 4
 }
 
+impl MoeBufs {
+    fn new(gpu: &Gpu, c: &TextConfig, layers: usize) -> Result<MoeBufs> {
+        let (l, k, e) = (layers.max(1), c.num_experts_per_tok.max(1), c.num_experts.max(1));
+        let what = "the routing tables";
+        let events = (0..l)
+            .map(|_| Ok([gpu.event(false)?, gpu.event(true)?, gpu.event(true)?, gpu.event(true)?, gpu.event(true)?]))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(MoeBufs {
+            ids: gpu.zeros(l * k * 4, what)?,
+            weights: gpu.zeros(l * k * 4, what)?,
+            ids_host: gpu.pinned(l * k * 4, what)?,
+            pred_ids: gpu.zeros(l * k * 4, what)?,
+            pred_weights: gpu.zeros(l * k * 4, what)?,
+            pred_host: gpu.pinned(l * k * 4, what)?,
+            tables: gpu.zeros(l * k * 8, what)?,
+            ranks: gpu.zeros(l * k * 4, what)?,
+            tables_host: gpu.pinned(l * k * 8, what)?,
+            ranks_host: gpu.pinned(l * k * 4, what)?,
+            bias: gpu.zeros(l * 2 * e * 4, what)?,
+            bias_host: gpu.pinned(l * 2 * e * 4, what)?,
+            ple_host: gpu.pinned(f32s(c.num_hidden_layers * c.ple_embed_dim), "the PLE rows")?,
+            map: None,
+            decided: false,
+            events,
+        })
+    }
+}
+
 impl CudaModel {
     /// Uploads the dense weights and binds the expert pool (whose slots live on this GPU).
     pub fn new(store: Arc<Store>, gpu: Arc<Gpu>, pool: Arc<ExpertPool<DeviceSlots>>) -> Result<CudaModel> {
@@ -111,6 +232,13 @@ impl CudaModel {
         let weights = DeviceWeights::upload(&gpu, &store, &host)?;
         for l in &store.manifest.experts.layers {
             expert_kernels(l)?;
+        }
+        if c.num_experts > 2048 || c.num_experts_per_tok > 64 || c.num_experts_per_tok > c.num_experts {
+            bail!(
+                "{} experts top-{}: the CUDA router handles at most 2048 experts and top-64",
+                c.num_experts,
+                c.num_experts_per_tok
+            );
         }
         let rd = c.rotary_dim();
         let inv: Vec<f32> = (0..rd / 2).map(|i| 1.0 / (c.rope_theta as f32).powf((2 * i) as f32 / rd as f32)).collect();
@@ -148,8 +276,6 @@ impl CudaModel {
                 z(f32s(widest), "activations")?,
                 z(f32s(widest), "activations")?,
             ],
-            table: z((e + 2) * 8, "the expert address table")?,
-            rank_entry: z(e * 4, "the expert address table")?,
             weights: z(e.max(1024) * 4, "the routing weights")?,
             ids: z(e.max(1024) * 4, "the routing ids")?,
             act: z(f32s(e * c.moe_intermediate_size), "expert activations")?,
@@ -157,6 +283,9 @@ impl CudaModel {
             scores: z(f32s(c.num_attention_heads * 4096), "attention scores")?,
             idx: z(4 * 4096, "attention token lists")?,
             logits: z(f32s(c.vocab_size), "logits")?,
+            moe: MoeBufs::new(&gpu, &c, store.manifest.experts.layers.len())?,
+            step_in: z(16, "the step inputs")?,
+            step_host: gpu.pinned(16, "the step inputs")?,
         };
         gpu.sync()?;
         let predicted = Mutex::new(vec![None; store.manifest.experts.layers.len()]);
@@ -166,6 +295,8 @@ impl CudaModel {
             pool,
             skew: None,
             lookahead: true,
+            graphs: std::env::var_os("CHERENKOV_NO_GRAPHS").is_none(),
+            graph: Mutex::new(Vec::new()),
             predicted,
             timing: Mutex::new(StepTiming::default()),
             weights,
@@ -250,34 +381,30 @@ impl CudaModel {
     fn step(&self, s: &mut CudaSession, sc: &mut Scratch, tok: u32, want: Want, out: &mut Vec<f32>) -> Result<()> {
         let c = self.config().clone();
         let g = &*self.gpu;
-        let w = &self.weights;
-        let hc = c.hc_count;
-        w.embed_tokens.embed(g, tok, sc.x.ptr, hc)?;
-        for (i, (layer, ls)) in w.layers.iter().zip(s.layers.iter_mut()).enumerate() {
-            if let (Some(p), Some(hash)) = (&layer.ple, &self.ngram[i]) {
-                let state = ls.ple_conv.as_ref().context("PLE state")?;
-                self.ple(sc, p, hash, i, tok, &s.ngram_context, state)?;
+        self.decide_residency(sc)?;
+        let mut st = MoeStep::new();
+        // Host inputs first (token and position, n-gram rows, synthetic-router biases), so the
+        // device work below never waits for the host when every expert is resident.
+        self.set_step_inputs(sc, tok, s.pos)?;
+        for (i, layer) in self.weights.layers.iter().enumerate() {
+            if let (Some(_), Some(hash)) = (&layer.ple, &self.ngram[i]) {
+                self.ple_gather(sc, hash, i, tok, &s.ngram_context)?;
             }
-            self.hc_read(sc, &layer.attn_hc)?;
-            match (&layer.mixer, &mut ls.mixer) {
-                (Mixer::Gdn(gw), MixerState::Gdn { conv, recurrent }) => self.gdn(sc, gw, conv, recurrent)?,
-                (Mixer::Attention(aw), MixerState::Attention(st)) => {
-                    self.attention(sc, aw, st, s.pos)?;
-                }
-                _ => unreachable!("session built for this model"),
-            }
-            self.inject(sc)?;
-            self.hc_read(sc, &layer.mlp_hc)?;
-            self.moe(sc, &layer.moe, w.layers.get(i + 1).map(|l| &l.moe))?;
-            self.inject(sc)?;
+            self.write_bias(sc, layer.moe.expert_slot, 0)?;
+        }
+        let logits = want != Want::Nothing;
+        // A replayable step: every expert resident and attention below the QSA budget (past it the
+        // host picks the visible blocks).
+        let dense_attention = c.qsa.as_ref().is_none_or(|q| (s.pos + 1) / q.compress_ratio <= q.block_topk());
+        if sc.moe.map.is_some() && dense_attention && self.graphs {
+            self.replay_step(s, sc, logits, &mut st)?;
+        } else {
+            self.queue_step(s, sc, logits, &mut st)?;
         }
         s.ngram_context.insert(0, tok);
         s.ngram_context.truncate(c.ngram_size.saturating_sub(1));
         s.pos += 1;
-        if want != Want::Nothing {
-            self.hc_read(sc, &w.hyper_connection_mixer)?;
-            w.lm_head.matvec(g, sc.inp.ptr, sc.logits.ptr)?;
-        }
+        st.queued_ns = Some(st.start.elapsed().as_nanos() as u64);
         match want {
             Want::Nothing => {}
             Want::Logits => {
@@ -292,7 +419,192 @@ impl CudaModel {
                 out.extend(top.iter().map(|&(_, v)| v));
             }
         }
+        self.finish_step(sc, st)
+    }
+
+    /// Queues the device work of one step (inputs already written by the host): upload of the
+    /// step inputs, embedding, every layer, and with `logits` the final mixer and lm_head.
+    fn queue_step<'p>(
+        &'p self,
+        s: &mut CudaSession,
+        sc: &mut Scratch,
+        logits: bool,
+        st: &mut MoeStep<'p>,
+    ) -> Result<()> {
+        let g = &*self.gpu;
+        let w = &self.weights;
+        g.upload(sc.step_in.ptr, &sc.step_host, 0, 8)?;
+        w.embed_tokens.embed(g, sc.step_in.ptr, sc.x.ptr, self.config().hc_count)?;
+        let pos = s.pos;
+        for (i, (layer, ls)) in w.layers.iter().zip(s.layers.iter_mut()).enumerate() {
+            if let Some(p) = &layer.ple {
+                let state = ls.ple_conv.as_ref().context("PLE state")?;
+                self.ple(sc, p, i, state)?;
+            }
+            self.hc_read(sc, &layer.attn_hc)?;
+            match (&layer.mixer, &mut ls.mixer) {
+                (Mixer::Gdn(gw), MixerState::Gdn { conv, recurrent }) => self.gdn(sc, gw, conv, recurrent)?,
+                (Mixer::Attention(aw), MixerState::Attention(a)) => self.attention(sc, aw, a, pos)?,
+                _ => unreachable!("session built for this model"),
+            }
+            self.inject(sc)?;
+            self.hc_read(sc, &layer.mlp_hc)?;
+            self.moe(sc, &layer.moe, w.layers.get(i + 1).map(|l| &l.moe), st)?;
+            self.inject(sc)?;
+        }
+        if logits {
+            self.hc_read(sc, &w.hyper_connection_mixer)?;
+            w.lm_head.matvec(g, sc.inp.ptr, sc.logits.ptr)?;
+        }
+        if sc.moe.map.is_some() {
+            // Every layer's routing, for the host's accounting after the step.
+            let bytes = sc.moe.ids.bytes.min(sc.moe.ids_host.bytes);
+            g.download(&sc.moe.ids_host, 0, sc.moe.ids.ptr, bytes)?;
+        }
         Ok(())
+    }
+
+    /// Runs the step as a replay of a captured graph, capturing it first when there is none for
+    /// this session's buffers. Only for steps that never wait for the host.
+    fn replay_step<'p>(
+        &'p self,
+        s: &mut CudaSession,
+        sc: &mut Scratch,
+        logits: bool,
+        st: &mut MoeStep<'p>,
+    ) -> Result<()> {
+        let c = self.config();
+        // Attention scores for every position the session can hold, so no capture-time size
+        // depends on the position.
+        let cap = s.attention_capacity();
+        let need = c.num_attention_heads * cap.max(1) * 4;
+        if sc.scores.bytes < need {
+            sc.scores = self.gpu.zeros(need, "attention scores")?;
+        }
+        let key = GraphKey { session: s.id, generation: s.generation, logits, scores: sc.scores.ptr };
+        let mut graphs = self.graph.lock().unwrap_or_else(|e| e.into_inner());
+        // A few graphs: decode steps and prompt steps (no logits) alternate.
+        const KEEP: usize = 4;
+        match graphs.iter().position(|(k, _)| *k == key) {
+            Some(i) => {
+                let g = graphs.remove(i);
+                graphs.push(g);
+            }
+            None => {
+                let mut throwaway = MoeStep::new();
+                throwaway.untimed = true;
+                let graph = self.gpu.capture(|| self.queue_step(s, sc, logits, &mut throwaway))?;
+                if graphs.len() == KEEP {
+                    graphs.remove(0);
+                }
+                graphs.push((key, graph));
+            }
+        }
+        let (_, graph) = graphs.last().expect("present above");
+        self.gpu.replay(graph)?;
+        // The replay routes every MoE layer (on the device, from the resident map).
+        st.untimed = true;
+        st.routed.extend(self.weights.layers.iter().map(|l| l.moe.expert_slot));
+        // The QSA block counters the captured kernels advance on the device.
+        let pos = s.pos;
+        for l in &mut s.layers {
+            if let (MixerState::Attention(a), Some(q)) = (&mut l.mixer, &c.qsa) {
+                a.blocks = (pos + 1) / q.compress_ratio;
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the step inputs and queues their upload (the kernel checks: one block at a time).
+    pub(crate) fn load_step_inputs(&self, sc: &Scratch, tok: u32, pos: usize) -> Result<()> {
+        self.set_step_inputs(sc, tok, pos)?;
+        self.gpu.upload(sc.step_in.ptr, &sc.step_host, 0, 8)
+    }
+
+    /// Writes the step's token and position into pinned memory (uploaded by the step's work).
+    pub(crate) fn set_step_inputs(&self, sc: &Scratch, tok: u32, pos: usize) -> Result<()> {
+        let pos = i32::try_from(pos).context("position past 2^31")?;
+        // SAFETY: the previous step's upload finished (steps end with a stream sync).
+        unsafe { sc.step_host.as_mut_slice::<i32>()[..2].copy_from_slice(&[tok as i32, pos]) };
+        Ok(())
+    }
+
+    /// Ends a step's MoE work: waits for the stream, releases the last lease, and accounts the
+    /// routing (statistics; with every expert resident also the pool's counters, which the step
+    /// never asked) and the expert kernels' GPU time.
+    pub(crate) fn finish_step(&self, sc: &Scratch, st: MoeStep<'_>) -> Result<()> {
+        let queue_ns = st.queued_ns.unwrap_or_else(|| st.start.elapsed().as_nanos() as u64);
+        self.gpu.sync()?;
+        drop(st.pending);
+        let c = self.config();
+        let (k, e) = (c.num_experts_per_tok, c.num_experts);
+        let mb = &sc.moe;
+        // SAFETY: the stream is idle: no kernel writes the host copy now.
+        let ids_host = unsafe { mb.ids_host.as_slice::<i32>() };
+        let mut experts_ns = 0u64;
+        for &l in &st.routed {
+            let ids: Vec<usize> = ids_host[l * k..(l + 1) * k].iter().map(|&i| i as usize).collect();
+            if mb.map.is_some() {
+                drop(self.pool.acquire(l, &ids)?);
+            }
+            if let Some(sk) = &self.skew {
+                sk.observe(l, &ids, e);
+            }
+            if st.untimed {
+                continue;
+            }
+            let ev = &mb.events[l];
+            let mut ms = ev[2].since(&ev[1])?;
+            if st.read_timed.contains(&l) {
+                ms += ev[4].since(&ev[3])?;
+            }
+            let ns = (ms as f64 * 1e6) as u64;
+            self.pool.record_compute(l, ns);
+            experts_ns += ns;
+        }
+        self.add_timing(|t| {
+            t.wait_ns += st.wait_ns;
+            t.experts_ns += experts_ns;
+            t.queue_ns += queue_ns;
+        });
+        Ok(())
+    }
+
+    /// With a cache that holds every expert, loads them all once and writes the device map the
+    /// router kernel builds its tables from. Decided at the first step.
+    fn decide_residency(&self, sc: &mut Scratch) -> Result<()> {
+        if sc.moe.decided {
+            return Ok(());
+        }
+        sc.moe.decided = true;
+        let layers = &self.store.manifest.experts.layers;
+        let e = self.config().num_experts;
+        if self.pool.slot_count() < layers.len() * e {
+            return Ok(());
+        }
+        let slots = self.pool.preload_all()?;
+        let mem = self.pool.memory();
+        let mut map = Vec::with_capacity(layers.len() * e);
+        for (layout, row) in layers.iter().zip(&slots) {
+            let tag = layer_tag(layout);
+            map.extend(row.iter().map(|&s| mem.slot_ptr(s) | tag));
+        }
+        let dev = self.gpu.alloc(map.len().max(1) * 8, "the resident expert map")?;
+        self.gpu.htod(dev.ptr, &map)?;
+        sc.moe.map = Some(dev);
+        Ok(())
+    }
+
+    /// One MoE block on its own (the kernel checks): a step of just this block.
+    pub(crate) fn moe_alone(&self, sc: &mut Scratch, m: &crate::weights::Moe) -> Result<()> {
+        self.decide_residency(sc)?;
+        let mut st = MoeStep::new();
+        self.moe(sc, m, None, &mut st)?;
+        if sc.moe.map.is_some() {
+            let bytes = sc.moe.ids.bytes.min(sc.moe.ids_host.bytes);
+            self.gpu.download(&sc.moe.ids_host, 0, sc.moe.ids.ptr, bytes)?;
+        }
+        self.finish_step(sc, st)
     }
 
     /// The `k` largest of the first `among` entries of `sc.logits` as (id, logit), descending, ties
@@ -321,24 +633,39 @@ impl CudaModel {
         Ok(ids.into_iter().zip(vals).collect())
     }
 
-    /// The PLE block for token `tok` of decoder layer `layer`: x += ple(x).
-    pub(crate) fn ple(
+    /// Gathers the n-gram rows of the step's token for PLE layer `layer` (host side: the table
+    /// stays on disk) into that layer's row of pinned memory, for [`CudaModel::ple`] to upload.
+    pub(crate) fn ple_gather(
         &self,
         sc: &Scratch,
-        p: &crate::weights::Ple,
         hash: &NgramHash,
         layer: usize,
         tok: u32,
         context: &[u32],
-        state: &DevBuf,
     ) -> Result<()> {
+        let c = self.config();
+        let table = self.store.ngram_table(layer).context("store has no n-gram table")?;
+        let emb = gather_embeddings(&self.store, c, hash, table, &[tok], context)?;
+        let (at, n) = (layer * c.ple_embed_dim, c.ple_embed_dim);
+        if emb.len() != n {
+            bail!("PLE rows of layer {layer}: {} values gathered, {n} expected", emb.len());
+        }
+        // SAFETY: this layer's row is written once per step, and its previous upload finished
+        // before the step began (steps end with a stream sync; the checks read results back in
+        // between).
+        unsafe { sc.moe.ple_host.as_mut_slice::<f32>()[at..at + n].copy_from_slice(&emb) };
+        Ok(())
+    }
+
+    /// The PLE block of decoder layer `layer` (rows gathered by [`CudaModel::ple_gather`]):
+    /// x += ple(x).
+    pub(crate) fn ple(&self, sc: &Scratch, p: &crate::weights::Ple, layer: usize, state: &DevBuf) -> Result<()> {
         let c = self.config();
         let g = &*self.gpu;
         let (h, hc) = (c.hidden_size, c.hc_count);
-        let table = self.store.ngram_table(layer).context("store has no n-gram table")?;
-        let emb = gather_embeddings(&self.store, c, hash, table, &[tok], context)?;
         let [e, key, value, kn, qn, gated] = &sc.big;
-        g.htod(e.ptr, &emb)?;
+        let (at, n) = (layer * c.ple_embed_dim, c.ple_embed_dim);
+        g.upload(e.ptr, &sc.moe.ple_host, at * 4, n * 4)?;
         p.key_proj.matvec(g, e.ptr, key.ptr)?;
         p.value_proj.matvec(g, e.ptr, value.ptr)?;
         self.rmsnorm(key.ptr, p.norm_key.ptr, kn.ptr, hc, h, c.hc_hidden())?;
@@ -381,10 +708,11 @@ impl CudaModel {
         let c = self.config();
         let g = &*self.gpu;
         let [qkv, z, b, a, conv_out, core] = &sc.big;
-        gw.in_proj_qkv.matvec(g, sc.inp.ptr, qkv.ptr)?;
-        gw.in_proj_z.matvec(g, sc.inp.ptr, z.ptr)?;
-        gw.in_proj_b.matvec(g, sc.inp.ptr, b.ptr)?;
-        gw.in_proj_a.matvec(g, sc.inp.ptr, a.ptr)?;
+        matvec_many(
+            g,
+            sc.inp.ptr,
+            &[(&gw.in_proj_qkv, qkv.ptr), (&gw.in_proj_z, z.ptr), (&gw.in_proj_b, b.ptr), (&gw.in_proj_a, a.ptr)],
+        )?;
         let cd = c.gdn_conv_dim();
         g.launch(
             "gdn_conv",
@@ -460,7 +788,7 @@ impl CudaModel {
         self.gpu.launch(
             "rmsnorm_zc",
             (groups as u32, 1, 1),
-            256,
+            1024,
             0,
             &[
                 Arg::Ptr(x),
@@ -479,7 +807,12 @@ impl CudaModel {
         let (h, hc) = (c.hidden_size, c.hc_count);
         let g = &*self.gpu;
         self.rmsnorm(sc.x.ptr, hcw.hc_norm.ptr, sc.normed.ptr, hc, h, c.hc_hidden())?;
-        hcw.input_mix_weight_down.matvec(g, sc.normed.ptr, sc.low.ptr)?;
+        // The injection logits are read only by `inject`, after the block: computed here with the
+        // down projection of the same input, in one launch.
+        match &hcw.block_inject_weight {
+            Some(inj) => matvec_many(g, sc.normed.ptr, &[(&hcw.input_mix_weight_down, sc.low.ptr), (inj, sc.inj.ptr)])?,
+            None => hcw.input_mix_weight_down.matvec(g, sc.normed.ptr, sc.low.ptr)?,
+        }
         g.launch(
             "scale_silu",
             (blocks(c.hc_lowrank, 256), 1, 1),
@@ -501,9 +834,6 @@ impl CudaModel {
                 Arg::I32(h as i32),
             ],
         )?;
-        if let Some(inj) = &hcw.block_inject_weight {
-            inj.matvec(g, sc.normed.ptr, sc.inj.ptr)?;
-        }
         Ok(())
     }
 
@@ -525,6 +855,9 @@ impl CudaModel {
         )
     }
 
+    /// QSA-gated attention of the step's token (position `pos`, also in the step inputs on the
+    /// device) into `sc.out`. Below the QSA budget nothing waits for the host (graph-safe); past it
+    /// the block scores come back to the host, which picks the visible blocks.
     pub(crate) fn attention(
         &self,
         sc: &mut Scratch,
@@ -537,10 +870,9 @@ impl CudaModel {
         let (nh, nkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let rd = c.rotary_dim() as i32;
         let eps = c.rms_norm_eps as f32;
+        let step = sc.step_in.ptr;
         let [qg, q, gate, k, v, attn] = &sc.big;
-        aw.q_proj.matvec(g, sc.inp.ptr, qg.ptr)?;
-        aw.k_proj.matvec(g, sc.inp.ptr, k.ptr)?;
-        aw.v_proj.matvec(g, sc.inp.ptr, v.ptr)?;
+        matvec_many(g, sc.inp.ptr, &[(&aw.q_proj, qg.ptr), (&aw.k_proj, k.ptr), (&aw.v_proj, v.ptr)])?;
         g.launch(
             "split_q_gate",
             (blocks(nh * d, 256), 1, 1),
@@ -548,83 +880,77 @@ impl CudaModel {
             0,
             &[Arg::Ptr(qg.ptr), Arg::Ptr(q.ptr), Arg::Ptr(gate.ptr), Arg::I32(nh as i32), Arg::I32(d as i32)],
         )?;
-        g.launch(
-            "norm_rope",
-            (nh as u32, 1, 1),
-            128,
-            0,
-            &[
-                Arg::Ptr(q.ptr),
-                Arg::Ptr(aw.q_norm.ptr),
-                Arg::I32(d as i32),
-                Arg::F32(eps),
-                Arg::Ptr(self.inv_freq.ptr),
-                Arg::I32(rd),
-                Arg::I32(pos as i32),
-            ],
-        )?;
-        g.launch(
-            "norm_rope",
-            (nkv as u32, 1, 1),
-            128,
-            0,
-            &[
-                Arg::Ptr(k.ptr),
-                Arg::Ptr(aw.k_norm.ptr),
-                Arg::I32(d as i32),
-                Arg::F32(eps),
-                Arg::Ptr(self.inv_freq.ptr),
-                Arg::I32(rd),
-                Arg::I32(pos as i32),
-            ],
-        )?;
-        let kvb = nkv * d * 4;
-        g.dtod(st.k.at(pos * kvb), k.ptr, kvb)?;
-        g.dtod(st.v.at(pos * kvb), v.ptr, kvb)?;
-
-        // QSA: which tokens this query sees (None: all of 0..=pos).
-        let mut list: Option<Vec<i32>> = None;
-        if let (Some(qsa), Some(ix)) = (&c.qsa, &aw.indexer) {
-            let (ih, id, ratio) = (qsa.n_heads, qsa.head_dim, qsa.compress_ratio);
-            // `qg` is free again after split_q_gate: it holds the indexer projection.
-            ix.index_qk_proj.matvec(g, sc.inp.ptr, qg.ptr)?;
-            g.dtod(st.index_keys.at(pos * id * 4), qg.ptr + (ih * id * 4) as u64, id * 4)?;
+        let norm_rope = |v: u64, heads: usize, w: u64, dim: usize| {
             g.launch(
                 "norm_rope",
-                (ih as u32, 1, 1),
+                (heads as u32, 1, 1),
                 128,
                 0,
                 &[
-                    Arg::Ptr(qg.ptr),
-                    Arg::Ptr(ix.q_layernorm.ptr),
-                    Arg::I32(id as i32),
+                    Arg::Ptr(v),
+                    Arg::Ptr(w),
+                    Arg::I32(dim as i32),
                     Arg::F32(eps),
                     Arg::Ptr(self.inv_freq.ptr),
                     Arg::I32(rd),
-                    Arg::I32(pos as i32),
+                    Arg::Ptr(step),
+                ],
+            )
+        };
+        norm_rope(q.ptr, nh, aw.q_norm.ptr, d)?;
+        norm_rope(k.ptr, nkv, aw.k_norm.ptr, d)?;
+        // QSA's index projection (`qg` is free again after split_q_gate): index queries, then the
+        // token's index key.
+        let qsa = c.qsa.as_ref().zip(aw.indexer.as_ref());
+        let mut ikey = (0u64, 0u64, 0usize);
+        if let Some((qsa, ix)) = qsa {
+            ix.index_qk_proj.matvec(g, sc.inp.ptr, qg.ptr)?;
+            ikey = (qg.ptr + (qsa.n_heads * qsa.head_dim * 4) as u64, st.index_keys.ptr, qsa.head_dim);
+        }
+        let kvd = nkv * d;
+        g.launch(
+            "kv_append",
+            (blocks(kvd.max(ikey.2), 256), 1, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(k.ptr),
+                Arg::Ptr(v.ptr),
+                Arg::Ptr(ikey.0),
+                Arg::Ptr(st.k.ptr),
+                Arg::Ptr(st.v.ptr),
+                Arg::Ptr(ikey.1),
+                Arg::Ptr(step),
+                Arg::I32(kvd as i32),
+                Arg::I32(ikey.2 as i32),
+            ],
+        )?;
+
+        // QSA: which tokens this query sees (None: all of 0..=pos).
+        let mut list: Option<Vec<i32>> = None;
+        if let Some((qsa, ix)) = qsa {
+            let (ih, id, ratio) = (qsa.n_heads, qsa.head_dim, qsa.compress_ratio);
+            norm_rope(qg.ptr, ih, ix.q_layernorm.ptr, id)?;
+            // Pools the block this token completes, if it completes one.
+            g.launch(
+                "qsa_pool_block",
+                (1, 1, 1),
+                128,
+                (id * 4) as u32,
+                &[
+                    Arg::Ptr(st.index_keys.ptr),
+                    Arg::Ptr(st.index_blocks.ptr),
+                    Arg::Ptr(step),
+                    Arg::I32(ratio as i32),
+                    Arg::I32(id as i32),
+                    Arg::Ptr(ix.k_layernorm.ptr),
+                    Arg::F32(eps),
+                    Arg::Ptr(self.inv_freq.ptr),
+                    Arg::I32(rd),
                 ],
             )?;
             let complete = (pos + 1) / ratio;
-            while st.blocks < complete {
-                g.launch(
-                    "qsa_pool_block",
-                    (1, 1, 1),
-                    128,
-                    (id * 4) as u32,
-                    &[
-                        Arg::Ptr(st.index_keys.ptr),
-                        Arg::Ptr(st.index_blocks.ptr),
-                        Arg::I32(st.blocks as i32),
-                        Arg::I32(ratio as i32),
-                        Arg::I32(id as i32),
-                        Arg::Ptr(ix.k_layernorm.ptr),
-                        Arg::F32(eps),
-                        Arg::Ptr(self.inv_freq.ptr),
-                        Arg::I32(rd),
-                    ],
-                )?;
-                st.blocks += 1;
-            }
+            st.blocks = complete;
             let topk = qsa.block_topk();
             if complete > topk {
                 if complete * 4 > sc.scores.bytes {
@@ -681,6 +1007,7 @@ impl CudaModel {
                 Arg::Ptr(st.v.ptr),
                 Arg::Ptr(idx_ptr),
                 Arg::I32(n as i32),
+                Arg::Ptr(step),
                 Arg::Ptr(sc.scores.ptr),
                 Arg::Ptr(attn.ptr),
                 Arg::I32(nh as i32),
@@ -699,36 +1026,59 @@ impl CudaModel {
         aw.o_proj.matvec(g, attn.ptr, sc.out.ptr)
     }
 
-    pub(crate) fn moe(
-        &self,
+    /// The MoE block of the step on `sc.inp` into `sc.out` (see the module docs for the handshake).
+    /// `next` is the following layer's block, whose experts the lookahead predicts.
+    pub(crate) fn moe<'p>(
+        &'p self,
         sc: &mut Scratch,
         m: &crate::weights::Moe,
         next: Option<&crate::weights::Moe>,
+        st: &mut MoeStep<'p>,
     ) -> Result<()> {
         let c = self.config().clone();
         let g = &*self.gpu;
-        let (h, e, k, inter) = (c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size);
-        let [logits, sg, su, shared, sgate, _] = &sc.big;
+        let (h, e, k) = (c.hidden_size, c.num_experts, c.num_experts_per_tok);
+        let l = m.expert_slot;
+        let [logits, sg, su, shared, sgate, ahead] = &sc.big;
+        let mb = &sc.moe;
+        let resident = mb.map.is_some();
         m.gate.matvec(g, sc.inp.ptr, logits.ptr)?;
-        if self.skew.is_none() {
-            g.launch(
-                "route_topk",
-                (1, 1, 1),
-                256,
-                (e * 4) as u32,
-                &[
-                    Arg::Ptr(logits.ptr),
-                    Arg::I32(e as i32),
-                    Arg::I32(k as i32),
-                    Arg::I32(c.norm_topk_prob as i32),
-                    Arg::Ptr(sc.ids.ptr),
-                    Arg::Ptr(sc.weights.ptr),
-                ],
-            )?;
+        let bias = self.upload_bias(mb, l, 0)?;
+        let (table, ranks, weights) = (mb.tables.at(l * k * 8), mb.ranks.at(l * k * 4), mb.weights.at(l * k * 4));
+        self.route(
+            logits.ptr,
+            bias,
+            mb.ids.at(l * k * 4),
+            weights,
+            // Streaming: straight into host memory, read at the router-ready event. Resident: the
+            // step copies every layer's ids back once, at its end.
+            if resident { 0 } else { mb.ids_host.dev + (l * k * 4) as u64 },
+            mb.map.as_ref().map_or(0, |d| d.at(l * e * 8)),
+            table,
+            ranks,
+        )?;
+        // Lookahead (streaming only): the next block's router on this block's input.
+        let ahead_of = next.filter(|_| self.lookahead && !resident);
+        if let Some(n) = ahead_of {
+            let nl = n.expert_slot;
+            n.gate.matvec(g, sc.inp.ptr, ahead.ptr)?;
+            self.write_bias(sc, nl, 1)?;
+            let bias = self.upload_bias(mb, nl, 1)?;
+            let ids = mb.pred_ids.at(nl * k * 4);
+            let host = mb.pred_host.dev + (nl * k * 4) as u64;
+            self.route(ahead.ptr, bias, ids, mb.pred_weights.at(nl * k * 4), host, 0, 0, 0)?;
         }
-        // Shared expert while the routing comes back.
-        m.shared_gate_proj.matvec(g, sc.inp.ptr, sg.ptr)?;
-        m.shared_up_proj.matvec(g, sc.inp.ptr, su.ptr)?;
+        let ev = &mb.events[l];
+        if !resident {
+            g.record(&ev[0])?;
+        }
+        // The shared expert runs while the host reads the routing.
+        // The shared expert's gate is read only by the combination.
+        matvec_many(
+            g,
+            sc.inp.ptr,
+            &[(&m.shared_gate_proj, sg.ptr), (&m.shared_up_proj, su.ptr), (&m.shared_expert_gate, sgate.ptr)],
+        )?;
         let s = c.shared_expert_intermediate_size;
         g.launch(
             "silu_mul",
@@ -738,165 +1088,187 @@ impl CudaModel {
             &[Arg::Ptr(sg.ptr), Arg::Ptr(su.ptr), Arg::I32(s as i32)],
         )?;
         m.shared_down_proj.matvec(g, sg.ptr, shared.ptr)?;
-        m.shared_expert_gate.matvec(g, sc.inp.ptr, sgate.ptr)?;
-        let experts: Vec<usize> = match &self.skew {
-            None => {
-                let mut ids = vec![0i32; k];
-                g.dtoh(sc.ids.ptr, &mut ids)?;
-                ids.iter().map(|&i| i as usize).collect()
-            }
-            Some(sk) => {
-                // Synthetic routing: the router's logits plus the skew's bias, chosen on the host.
-                let mut l = vec![0f32; e];
-                g.dtoh(logits.ptr, &mut l)?;
-                let top = top_k(&l, Some(&sk.bias(m.expert_slot, e)), k, c.norm_topk_prob);
-                let ids: Vec<usize> = top.iter().map(|x| x.0).collect();
-                sk.observe(m.expert_slot, &ids, e);
-                let wts: Vec<f32> = top.iter().map(|x| x.1).collect();
-                g.htod(sc.weights.ptr, &wts)?;
-                ids
-            }
+        st.routed.push(l);
+        let layout = &self.store.manifest.experts.layers[l];
+        let combine = |gpu: &Gpu| {
+            gpu.launch(
+                "moe_combine",
+                (blocks(h, 256), 1, 1),
+                256,
+                0,
+                &[
+                    Arg::Ptr(sc.eout.ptr),
+                    Arg::Ptr(ranks),
+                    Arg::Ptr(weights),
+                    Arg::I32(k as i32),
+                    Arg::Ptr(shared.ptr),
+                    Arg::Ptr(sgate.ptr),
+                    Arg::Ptr(sc.out.ptr),
+                    Arg::I32(h as i32),
+                ],
+            )
         };
-        let lease = self.pool.acquire(m.expert_slot, &experts)?;
-        if self.lookahead {
-            self.look_ahead(sc, m.expert_slot, &experts, next)?;
+        if resident {
+            // The router wrote the table: all k experts, in rank order.
+            if !st.untimed {
+                g.record(&ev[1])?;
+            }
+            self.launch_experts(sc, layout, table, 0, k)?;
+            combine(g)?;
+            if !st.untimed {
+                g.record(&ev[2])?;
+            }
+            return Ok(());
         }
-        let tw = std::time::Instant::now();
-        lease.wait_all()?;
-        let wait_ns = tw.elapsed().as_nanos() as u64;
+
+        // 1. Router ready.
+        ev[0].wait()?;
+        // Every kernel queued before this router has finished, those of the previous lease too.
+        st.pending = None;
+        // SAFETY: the router kernel that wrote these has finished (ev[0]); nothing writes them now.
+        let experts: Vec<usize> =
+            unsafe { mb.ids_host.as_slice::<i32>() }[l * k..(l + 1) * k].iter().map(|&i| i as usize).collect();
+        // 2. Lease (misses are queued first), then the lookahead's reads behind them.
+        let lease = self.pool.acquire(l, &experts)?;
+        self.look_ahead(mb, l, &experts, ahead_of)?;
         let entries = lease.entries();
         // Table order: resident first, then the rest, each by routing weight (experts arrive sorted).
         let mut order: Vec<usize> = (0..entries.len()).filter(|&i| entries[i].hit).collect();
+        let hits = order.len();
         order.extend((0..entries.len()).filter(|&i| !entries[i].hit));
-        let layout = &self.store.manifest.experts.layers[m.expert_slot];
-        let tag = match layout.gate_proj.precision {
-            Precision::Affine { bits: 3, .. } => TAG_Q3,
-            Precision::Affine { bits: 2, .. } => TAG_Q2,
-            _ => 0,
-        };
+        let tag = layer_tag(layout);
         let mem = self.pool.memory();
-        let mut table: Vec<u64> = order.iter().map(|&i| mem.slot_ptr(entries[i].slot) | tag).collect();
-        let resident = order.iter().filter(|&&i| entries[i].hit).count();
-        table.push(resident as u64);
-        table.push(order.len() as u64);
-        // For each top-k rank, the table entry of its expert.
-        let rank_entry: Vec<i32> =
-            (0..k).map(|r| order.iter().position(|&i| entries[i].expert == experts[r]).unwrap() as i32).collect();
-        g.htod(sc.table.ptr, &table)?;
-        g.htod(sc.rank_entry.ptr, &rank_entry)?;
-        let te = std::time::Instant::now();
-        let n = order.len() as u32;
-        let (gk, dk) = expert_kernels(layout)?;
-        let (gu, down) = (&layout.gate_proj, &layout.down_proj);
-        let gs = |m: &RecordMatrix| match m.precision {
-            Precision::Affine { group_size, .. } => group_size as i32,
-            _ => 1,
-        };
-        let off = |s: Option<cherenkov_model::store::Span>| s.map_or(0, |s| s.offset);
-        let staged = |bits_of: &RecordMatrix, n: usize| match bits_of.precision {
-            Precision::Affine { bits: 2 | 4 | 8, .. } => (n * 4) as u32,
-            _ => 0,
-        };
-        // Experts fill the GPU together: rows per block from the rows of all entries.
-        let rpb_g = rows_per_block(inter * n as usize, BLOCKS_WANTED);
-        let rpb_d = rows_per_block(h * n as usize, BLOCKS_WANTED);
-        g.launch(
-            &gk,
-            (blocks(inter, rpb_g), n, 1),
-            256,
-            staged(gu, h),
-            &[
-                Arg::Ptr(sc.table.ptr),
-                Arg::I32(0),
-                Arg::Ptr(sc.inp.ptr),
-                Arg::Ptr(sc.act.ptr),
-                Arg::I32(inter as i32),
-                Arg::I32(h as i32),
-                Arg::I32(gs(gu)),
-                Arg::I32(rpb_g as i32),
-                Arg::U64(gu.data.offset),
-                Arg::U64(off(gu.scales)),
-                Arg::U64(off(gu.biases)),
-                Arg::U64(layout.up_proj.data.offset),
-                Arg::U64(off(layout.up_proj.scales)),
-                Arg::U64(off(layout.up_proj.biases)),
-            ],
-        )?;
-        g.launch(
-            &dk,
-            (blocks(h, rpb_d), n, 1),
-            256,
-            staged(down, inter),
-            &[
-                Arg::Ptr(sc.table.ptr),
-                Arg::I32(0),
-                Arg::Ptr(sc.act.ptr),
-                Arg::Ptr(sc.eout.ptr),
-                Arg::I32(inter as i32),
-                Arg::I32(h as i32),
-                Arg::I32(gs(down)),
-                Arg::I32(rpb_d as i32),
-                Arg::U64(down.data.offset),
-                Arg::U64(off(down.scales)),
-                Arg::U64(off(down.biases)),
-            ],
-        )?;
-        g.launch(
-            "moe_combine",
-            (blocks(h, 256), 1, 1),
+        // SAFETY: the stream has passed this layer's previous use of its table rows (ev[0] follows
+        // the previous step's end), so no copy reads them while they are written.
+        unsafe {
+            let t = &mut mb.tables_host.as_mut_slice::<u64>()[l * k..(l + 1) * k];
+            for (slot, &i) in t.iter_mut().zip(&order) {
+                *slot = mem.slot_ptr(entries[i].slot) | tag;
+            }
+            let r = &mut mb.ranks_host.as_mut_slice::<i32>()[l * k..(l + 1) * k];
+            for (rank, entry) in r.iter_mut().enumerate() {
+                *entry = order.iter().position(|&i| entries[i].expert == experts[rank]).unwrap() as i32;
+            }
+        }
+        g.upload(table, &mb.tables_host, l * k * 8, k * 8)?;
+        g.upload(ranks, &mb.ranks_host, l * k * 4, k * 4)?;
+        // 3. The resident experts' kernels run while the reads finish.
+        g.record(&ev[1])?;
+        self.launch_experts(sc, layout, table, 0, hits)?;
+        g.record(&ev[2])?;
+        // 4. Reads done: the read experts, then the combination.
+        if hits < k {
+            let tw = std::time::Instant::now();
+            lease.wait_all()?;
+            st.wait_ns += tw.elapsed().as_nanos() as u64;
+            g.record(&ev[3])?;
+            self.launch_experts(sc, layout, table, hits, k - hits)?;
+            st.read_timed.push(l);
+        }
+        combine(g)?;
+        if hits < k {
+            g.record(&ev[4])?;
+        }
+        // The slots stay leased until a later event shows these kernels finished.
+        st.pending = Some(lease);
+        Ok(())
+    }
+
+    /// Writes the synthetic routers' bias for MoE layer `l` (`which`: 0 routing, 1 predicting) into
+    /// pinned memory; nothing without synthetic routing.
+    fn write_bias(&self, sc: &Scratch, l: usize, which: usize) -> Result<()> {
+        let Some(sk) = &self.skew else { return Ok(()) };
+        let e = self.config().num_experts;
+        let b = if which == 0 { sk.bias(l, e) } else { sk.predict_bias(l, e) };
+        let at = (l * 2 + which) * e;
+        // SAFETY: each (layer, which) row is written once per step, and the previous step's upload
+        // of it finished before this step began (steps end with a stream sync).
+        unsafe { sc.moe.bias_host.as_mut_slice::<f32>()[at..at + e].copy_from_slice(&b) };
+        Ok(())
+    }
+
+    /// Queues the upload of a bias row [`CudaModel::write_bias`] wrote; returns its device
+    /// address, or 0 without synthetic routing.
+    fn upload_bias(&self, mb: &MoeBufs, l: usize, which: usize) -> Result<u64> {
+        if self.skew.is_none() {
+            return Ok(0);
+        }
+        let e = self.config().num_experts;
+        let at = (l * 2 + which) * e;
+        self.gpu.upload(mb.bias.at(at * 4), &mb.bias_host, at * 4, e * 4)?;
+        Ok(mb.bias.at(at * 4))
+    }
+
+    /// Queues the router kernel (see `route_topk` in ple_moe.cu); zero pointers are absent.
+    #[allow(clippy::too_many_arguments)]
+    fn route(
+        &self,
+        logits: u64,
+        bias: u64,
+        ids: u64,
+        weights: u64,
+        host: u64,
+        map: u64,
+        table: u64,
+        ranks: u64,
+    ) -> Result<()> {
+        let c = self.config();
+        self.gpu.launch(
+            "route_topk",
+            (1, 1, 1),
             256,
             0,
             &[
-                Arg::Ptr(sc.eout.ptr),
-                Arg::Ptr(sc.rank_entry.ptr),
-                Arg::Ptr(sc.weights.ptr),
-                Arg::I32(k as i32),
-                Arg::Ptr(shared.ptr),
-                Arg::Ptr(sgate.ptr),
-                Arg::Ptr(sc.out.ptr),
-                Arg::I32(h as i32),
+                Arg::Ptr(logits),
+                Arg::Ptr(bias),
+                Arg::F32(self.skew.as_ref().map_or(1.0, |s| s.skew.model as f32)),
+                Arg::I32(c.num_experts as i32),
+                Arg::I32(c.num_experts_per_tok as i32),
+                Arg::I32(c.norm_topk_prob as i32),
+                Arg::Ptr(ids),
+                Arg::Ptr(weights),
+                Arg::Ptr(host),
+                Arg::Ptr(map),
+                Arg::Ptr(table),
+                Arg::Ptr(ranks),
             ],
-        )?;
-        // The slots must not be reloaded before the kernels that read them finish.
-        g.sync()?;
-        drop(lease);
-        let experts_ns = te.elapsed().as_nanos() as u64;
-        self.pool.record_compute(m.expert_slot, experts_ns);
-        self.add_timing(|t| {
-            t.wait_ns += wait_ns;
-            t.experts_ns += experts_ns;
-        });
+        )
+    }
+
+    /// Queues the gate/up and down kernels of table entries `first..first + n`.
+    fn launch_experts(&self, sc: &Scratch, layout: &ExpertLayout, table: u64, first: usize, n: usize) -> Result<()> {
+        let c = self.config();
+        let io = crate::weights::ExpertIo { x: sc.inp.ptr, act: sc.act.ptr, out: sc.eout.ptr };
+        let dims = (c.moe_intermediate_size, c.hidden_size);
+        crate::weights::launch_experts(&self.gpu, layout, self.store.record_bytes(), table, first, n, io, dims)
+    }
+
+    /// Scores the last prediction for layer `l` against `actual`; then takes the lookahead's
+    /// prediction for the next block (computed on the device before the router-ready event) and
+    /// queues its reads behind this step's misses.
+    fn look_ahead(&self, mb: &MoeBufs, l: usize, actual: &[usize], next: Option<&crate::weights::Moe>) -> Result<()> {
+        let mut pred = self.predicted.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = pred[l].take() {
+            self.pool.record_lookahead(l, &p, actual);
+        }
+        let Some(n) = next else { return Ok(()) };
+        let k = self.config().num_experts_per_tok;
+        let nl = n.expert_slot;
+        // SAFETY: written by a kernel that finished before the router-ready event the caller waited for.
+        let guess: Vec<usize> =
+            unsafe { mb.pred_host.as_slice::<i32>() }[nl * k..(nl + 1) * k].iter().map(|&i| i as usize).collect();
+        self.pool.prefetch(nl, &guess);
+        pred[nl] = Some(guess);
         Ok(())
     }
 }
 
-impl CudaModel {
-    /// Scores the last prediction for `slot` against `actual`, then predicts the next layer's experts
-    /// (its router on this layer's MoE input) and prefetches them behind the step's misses.
-    fn look_ahead(
-        &self,
-        sc: &Scratch,
-        slot: usize,
-        actual: &[usize],
-        next: Option<&crate::weights::Moe>,
-    ) -> Result<()> {
-        let mut pred = self.predicted.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(p) = pred[slot].take() {
-            self.pool.record_lookahead(slot, &p, actual);
-        }
-        let Some(n) = next else { return Ok(()) };
-        let c = self.config();
-        let e = c.num_experts;
-        let buf = &sc.big[5];
-        n.gate.matvec(&self.gpu, sc.inp.ptr, buf.ptr)?;
-        let mut l = vec![0f32; e];
-        self.gpu.dtoh(buf.ptr, &mut l)?;
-        let bias = self.skew.as_ref().map(|sk| sk.bias(n.expert_slot, e));
-        let guess: Vec<usize> =
-            top_k(&l, bias.as_deref(), c.num_experts_per_tok, false).into_iter().map(|x| x.0).collect();
-        self.pool.prefetch(n.expert_slot, &guess);
-        pred[n.expert_slot] = Some(guess);
-        Ok(())
+/// The precision tag of a layer's address-table entries.
+fn layer_tag(layout: &ExpertLayout) -> u64 {
+    match layout.gate_proj.precision {
+        Precision::Affine { bits: 3, .. } => TAG_Q3,
+        Precision::Affine { bits: 2, .. } => TAG_Q2,
+        _ => 0,
     }
 }
 

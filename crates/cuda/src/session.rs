@@ -2,6 +2,7 @@
 //! memory (KV cache and QSA index keys grow by doubling; the GDN state is f32).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use anyhow::Result;
 use cherenkov_model::LayerType;
@@ -35,10 +36,20 @@ pub struct LayerState {
 
 pub struct CudaSession {
     pub gpu: Arc<Gpu>,
+    /// Unique per session (snapshots get their own): captured steps name the buffers they use.
+    pub id: u64,
+    /// Bumped whenever the buffers move (growth), so a step captured before is not replayed.
+    pub generation: u64,
     pub pos: usize,
     /// The last `ngram_size - 1` tokens, most recent first (host side: the rows are gathered there).
     pub ngram_context: Vec<u32>,
     pub layers: Vec<LayerState>,
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+fn next_id() -> u64 {
+    NEXT_ID.fetch_add(1, Ordering::Relaxed)
 }
 
 fn attn_bufs(gpu: &Gpu, c: &TextConfig, cap: usize) -> Result<AttentionState> {
@@ -77,7 +88,14 @@ impl CudaSession {
             layers.push(LayerState { mixer, ple_conv });
         }
         let eos = c.eos().unwrap_or(0);
-        Ok(CudaSession { gpu, pos: 0, ngram_context: vec![eos; c.ngram_size.saturating_sub(1)], layers })
+        Ok(CudaSession {
+            gpu,
+            id: next_id(),
+            generation: 0,
+            pos: 0,
+            ngram_context: vec![eos; c.ngram_size.saturating_sub(1)],
+            layers,
+        })
     }
 
     /// Makes every attention layer able to hold `tokens` tokens (doubling, contents kept).
@@ -98,6 +116,7 @@ impl CudaSession {
                 }
                 n.blocks = a.blocks;
                 *a = n;
+                self.generation += 1;
             }
         }
         self.gpu.sync()
@@ -134,7 +153,26 @@ impl CudaSession {
             layers.push(LayerState { mixer, ple_conv });
         }
         gpu.sync()?;
-        Ok(CudaSession { gpu: gpu.clone(), pos: self.pos, ngram_context: self.ngram_context.clone(), layers })
+        Ok(CudaSession {
+            gpu: gpu.clone(),
+            id: next_id(),
+            generation: 0,
+            pos: self.pos,
+            ngram_context: self.ngram_context.clone(),
+            layers,
+        })
+    }
+
+    /// Tokens the attention layers can hold (the largest; 0 without attention layers).
+    pub fn attention_capacity(&self) -> usize {
+        self.layers
+            .iter()
+            .filter_map(|l| match &l.mixer {
+                MixerState::Attention(a) => Some(a.cap),
+                MixerState::Gdn { .. } => None,
+            })
+            .max()
+            .unwrap_or(0)
     }
 
     /// Device bytes held by this session.

@@ -9,7 +9,7 @@
 use anyhow::{Result, bail};
 use cherenkov_cpu::weights as cw;
 use cherenkov_model::DType;
-use cherenkov_model::store::{Precision, Store};
+use cherenkov_model::store::{ExpertLayout, Precision, RecordMatrix, Store};
 
 use crate::gpu::{Arg, BLOCKS_WANTED, DevBuf, Gpu, MAX_STAGED_X, blocks, rows_per_block};
 
@@ -25,45 +25,60 @@ pub struct DevLinear {
 }
 
 impl DevLinear {
-    /// y = W x (x: cols floats, y: rows floats), one warp per row.
+    /// y = W x (x: cols floats, y: rows floats).
+    ///
+    /// 2-, 4- and 8-bit weights whose rows are whole 16-byte chunks (every shape of the model) use
+    /// the tiled kernel of `linear.cu`: tiles of 4 rows, `L` lanes per tile (`rpb` = `MV_TILED | L`,
+    /// see [`tile_plan`]), x staged once per block and the blocks looping over the tiles. When that
+    /// gives fewer blocks than multiprocessors (few rows, many columns) the columns are split across
+    /// blocks instead ([`split_plan`], through `matvec_many_q*` with one part). Other precisions
+    /// and shapes keep the kernels with rows per block (`rpb` = rows) or one warp per row.
     pub fn matvec(&self, gpu: &Gpu, x: u64, y: u64) -> Result<()> {
-        // Kernels that stage x cover `rpb` rows per block of 8 warps; the others one row per warp.
-        let staged_kernel = match self.precision {
-            Precision::Affine { bits, .. } => matches!(bits, 2 | 4 | 8),
-            Precision::Float { .. } => true,
-        };
-        let rpb = rows_per_block(self.rows, BLOCKS_WANTED);
-        let (threads, grid) = if staged_kernel {
-            (256, (blocks(self.rows, rpb), 1, 1))
-        } else {
-            (128, (blocks(self.rows * 32, 128), 1, 1))
-        };
-        let staged = (self.cols * 4) as u32;
         if self.cols * 4 > MAX_STAGED_X {
             bail!("a linear of {} inputs is wider than the kernels' staging limit", self.cols);
         }
+        let args = |gs: usize, rpb: usize| {
+            [
+                Arg::Ptr(self.data),
+                Arg::Ptr(self.scales),
+                Arg::Ptr(self.biases),
+                Arg::Ptr(x),
+                Arg::Ptr(y),
+                Arg::I32(self.rows as i32),
+                Arg::I32(self.cols as i32),
+                Arg::I32(gs as i32),
+                Arg::I32(rpb as i32),
+            ]
+        };
+        let rpb = rows_per_block(self.rows, BLOCKS_WANTED);
+        let staged = (self.cols * 4) as u32;
         match self.precision {
-            Precision::Affine { bits, group_size } => gpu.launch(
-                &format!("matvec_q{bits}"),
-                grid,
-                threads as u32,
-                if matches!(bits, 2 | 4 | 8) { staged } else { 0 },
-                &[
-                    Arg::Ptr(self.data),
-                    Arg::Ptr(self.scales),
-                    Arg::Ptr(self.biases),
-                    Arg::Ptr(x),
-                    Arg::Ptr(y),
-                    Arg::I32(self.rows as i32),
-                    Arg::I32(self.cols as i32),
-                    Arg::I32(group_size as i32),
-                    Arg::I32(rpb as i32),
-                ],
-            ),
+            Precision::Affine { bits, group_size } => {
+                let name = format!("matvec_q{bits}");
+                if let Some(shmem) = self.tiled_shmem() {
+                    let min_blocks = if bits == 2 { 2 } else { 3 };
+                    let plan =
+                        tile_plan(gpu, self.rows.div_ceil(MV_R), self.cols / chunk_codes(bits), 1, min_blocks, shmem);
+                    if plan.blocks < sms(gpu) {
+                        // Too few blocks to fill the GPU: split the columns (one-part matvec_many).
+                        let split = split_plan(gpu, self.rows, self.cols, bits, group_size);
+                        if split.slices > 1 {
+                            return launch_many(gpu, x, &[(self, y)], &[split]);
+                        }
+                    }
+                    let a = args(group_size, MV_TILED | plan.lanes);
+                    return gpu.launch(&name, (plan.blocks as u32, 1, 1), plan.threads as u32, shmem as u32, &a);
+                }
+                if matches!(bits, 2 | 4 | 8) {
+                    gpu.launch(&name, (blocks(self.rows, rpb), 1, 1), 256, staged, &args(group_size, rpb))
+                } else {
+                    gpu.launch(&name, (blocks(self.rows * 32, 128), 1, 1), 128, 0, &args(group_size, rpb))
+                }
+            }
             Precision::Float { dtype } => gpu.launch(
                 "matvec_float",
-                grid,
-                threads as u32,
+                (blocks(self.rows, rpb), 1, 1),
+                256,
                 staged,
                 &[
                     Arg::Ptr(self.data),
@@ -78,8 +93,9 @@ impl DevLinear {
         }
     }
 
-    /// Row `row` (an embedding), written `copies` times into `out`.
-    pub fn embed(&self, gpu: &Gpu, row: u32, out: u64, copies: usize) -> Result<()> {
+    /// The embedding of the token at `step[0]` (device memory: the step inputs), written `copies` times
+    /// into `out`.
+    pub fn embed(&self, gpu: &Gpu, step: u64, out: u64, copies: usize) -> Result<()> {
         let (dtype, bits, gs) = match self.precision {
             Precision::Affine { bits, group_size } => (-1, bits as i32, group_size as i32),
             Precision::Float { dtype } => (dtype_code(dtype)?, 0, 1),
@@ -93,7 +109,7 @@ impl DevLinear {
                 Arg::Ptr(self.data),
                 Arg::Ptr(self.scales),
                 Arg::Ptr(self.biases),
-                Arg::I32(row as i32),
+                Arg::Ptr(step),
                 Arg::Ptr(out),
                 Arg::I32(self.cols as i32),
                 Arg::I32(copies as i32),
@@ -103,6 +119,335 @@ impl DevLinear {
             ],
         )
     }
+}
+
+impl DevLinear {
+    /// Shared memory of the tiled kernels for this matrix (x and its unit sums), if they apply: 2-,
+    /// 4- and 8-bit rows of whole 16-byte chunks, 16-byte aligned, groups that are whole x-sum units
+    /// (32 codes, 16 at 8 bits), x and its sums within the staging limit.
+    pub fn tiled_shmem(&self) -> Option<usize> {
+        match self.precision {
+            Precision::Affine { bits, group_size } if self.data.is_multiple_of(16) => {
+                tiled_shmem(bits, group_size, self.cols)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Must match `MV_TILED`, `MV_R` and `MV_PARTS` in linear.cu.
+pub const MV_TILED: usize = 0x10000;
+const MV_R: usize = 4;
+const MV_PARTS: usize = 4;
+/// Partial sums per part of the split kernel (`MV_PART_FLOATS`).
+const MV_PART_FLOATS: usize = 16384;
+/// Threads per block of the tiled kernels (at most).
+const MV_THREADS: usize = 256;
+/// Shared memory a multiprocessor gives its blocks (Hopper: 228 KiB, 1 KiB of it reserved per
+/// block), used to cap grids at one wave.
+const SM_SHARED: usize = 228 << 10;
+/// Fewest chunks per column slice of a split matvec.
+const MIN_SLICE: usize = 16;
+/// Most column slices of a split matvec.
+const MAX_SLICES: usize = 32;
+
+/// Codes per 16-byte chunk.
+fn chunk_codes(bits: u32) -> usize {
+    128 / bits as usize
+}
+
+/// Shared memory of the tiled kernels for `cols` inputs of a `bits`/`gs` format, if they apply
+/// (the data must also be 16-byte aligned: the caller checks).
+pub fn tiled_shmem(bits: u32, gs: usize, cols: usize) -> Option<usize> {
+    if !matches!(bits, 2 | 4 | 8) {
+        return None;
+    }
+    let cpc = chunk_codes(bits);
+    let unit = cpc.min(32);
+    let shmem = cols * 4 + cols / unit * 4;
+    (cols.is_multiple_of(cpc)
+        && gs.is_power_of_two()
+        && gs.is_multiple_of(unit)
+        && cols.is_multiple_of(gs)
+        && shmem <= MAX_STAGED_X)
+        .then_some(shmem)
+}
+
+/// Multiprocessors of the GPU.
+pub fn sms(gpu: &Gpu) -> usize {
+    use std::sync::OnceLock;
+    static SMS: OnceLock<usize> = OnceLock::new();
+    *SMS.get_or_init(|| {
+        gpu.ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_or(132, |n| n.max(1) as usize)
+    })
+}
+
+fn threads_per_sm() -> usize {
+    use std::sync::OnceLock;
+    static THREADS_PER_SM: OnceLock<usize> = OnceLock::new();
+    *THREADS_PER_SM.get_or_init(|| {
+        std::env::var("CHERENKOV_MATVEC_THREADS_PER_SM")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&v| v > 0)
+            .unwrap_or(512)
+    })
+}
+
+/// Launch shape of the tiled core for one matrix: `lanes` per tile (`rpb` = `MV_TILED | lanes`),
+/// `threads` per block, `blocks` per copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TilePlan {
+    pub lanes: usize,
+    pub threads: usize,
+    pub blocks: usize,
+}
+
+/// The plan for `copies` matrices (grid y, or column slices) of `tiles` tiles of `chunks` chunks,
+/// launched together. `L` is the smallest power of two (8 to 256, at most the chunks rounded up)
+/// that gives the launch about `CHERENKOV_MATVEC_THREADS_PER_SM` (default 512) threads per
+/// multiprocessor; the blocks are capped at what the multiprocessors hold at once (`min_blocks`:
+/// the kernel's `__launch_bounds__` minimum), so large matrices stage x a few times per
+/// multiprocessor instead of once per few rows.
+pub fn tile_plan(gpu: &Gpu, tiles: usize, chunks: usize, copies: usize, min_blocks: usize, shmem: usize) -> TilePlan {
+    let (sms, per_sm) = (sms(gpu), threads_per_sm());
+    let l_max = chunks.next_power_of_two().min(MV_THREADS);
+    let mut lanes = l_max.min(8);
+    while lanes < l_max && tiles * copies * lanes < sms * per_sm {
+        lanes *= 2;
+    }
+    let threads = (tiles * lanes).next_power_of_two().clamp(32, MV_THREADS);
+    let needed = tiles.div_ceil(threads / lanes);
+    let per_sm_blocks = (SM_SHARED / (shmem + 2048)).clamp(1, min_blocks);
+    let blocks = needed.min((sms * per_sm_blocks).div_ceil(copies.max(1))).max(1);
+    TilePlan { lanes, threads, blocks }
+}
+
+/// A part of a split launch: `slices` column slices, each run with `plan`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SplitPlan {
+    pub slices: usize,
+    pub plan: TilePlan,
+    pub shmem: usize,
+}
+
+/// Column slices for a matrix of `rows` x `cols` (tiled format): the columns are halved while the
+/// launch has fewer blocks than multiprocessors and the halves stay whole groups of at least
+/// `MIN_SLICE` chunks (each block then stages only its slice of x and reads fewer chunks per row).
+pub fn split_plan(gpu: &Gpu, rows: usize, cols: usize, bits: u32, gs: usize) -> SplitPlan {
+    let cpc = chunk_codes(bits);
+    let (tiles, chunks) = (rows.div_ceil(MV_R), cols / cpc);
+    let shmem_of = |k: usize| tiled_shmem(bits, gs, cols / k).unwrap_or(MAX_STAGED_X);
+    let mut k = 1;
+    let mut plan = tile_plan(gpu, tiles, chunks, 1, 2, shmem_of(1));
+    while plan.blocks * k < sms(gpu) {
+        let k2 = k * 2;
+        if k2 > MAX_SLICES
+            || !chunks.is_multiple_of(k2)
+            || chunks / k2 < MIN_SLICE
+            || !(chunks / k2 * cpc).is_multiple_of(gs)
+            || rows * k2 > MV_PART_FLOATS
+        {
+            break;
+        }
+        k = k2;
+        plan = tile_plan(gpu, tiles, chunks / k, k, 2, shmem_of(k));
+    }
+    SplitPlan { slices: k, plan, shmem: shmem_of(k) }
+}
+
+/// One launch of `matvec_many_q{bits}` for up to `MV_PARTS` matrices of one format and input
+/// (checked by the callers), with their split plans.
+fn launch_many(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)], plans: &[SplitPlan]) -> Result<()> {
+    let Precision::Affine { bits, group_size } = parts[0].0.precision else {
+        bail!("matvec_many takes affine matrices only");
+    };
+    debug_assert!(!parts.is_empty() && parts.len() <= MV_PARTS && parts.len() == plans.len());
+    let cols = parts[0].0.cols;
+    // One block size for the launch: blocks per slice follow from it.
+    let threads = plans.iter().map(|p| p.plan.threads).max().unwrap_or(32);
+    let (sms, min_blocks) = (sms(gpu), 2);
+    let mut args =
+        vec![Arg::Ptr(x), Arg::I32(cols as i32), Arg::I32(group_size as i32), Arg::Ptr(gpu.split_scratch.ptr)];
+    let (mut grid_x, mut shmem) = (1usize, 0usize);
+    for i in 0..MV_PARTS {
+        match parts.get(i) {
+            Some(&(lin, y)) => {
+                let sp = plans[i];
+                let tiles = lin.rows.div_ceil(MV_R);
+                let per_sm_blocks = (SM_SHARED / (sp.shmem + 2048)).clamp(1, min_blocks);
+                let nb = tiles.div_ceil(threads / sp.plan.lanes).min((sms * per_sm_blocks).div_ceil(sp.slices)).max(1);
+                grid_x = grid_x.max(nb * sp.slices);
+                shmem = shmem.max(sp.shmem);
+                args.extend([
+                    Arg::Ptr(lin.data),
+                    Arg::Ptr(lin.scales),
+                    Arg::Ptr(lin.biases),
+                    Arg::Ptr(y),
+                    Arg::I32(lin.rows as i32),
+                    Arg::I32(sp.plan.lanes as i32),
+                    Arg::I32(nb as i32),
+                    Arg::I32(sp.slices as i32),
+                ]);
+            }
+            None => args.extend([
+                Arg::Ptr(0),
+                Arg::Ptr(0),
+                Arg::Ptr(0),
+                Arg::Ptr(0),
+                Arg::I32(0),
+                Arg::I32(1),
+                Arg::I32(0),
+                Arg::I32(1),
+            ]),
+        }
+    }
+    gpu.launch(
+        &format!("matvec_many_q{bits}"),
+        (grid_x as u32, parts.len() as u32, 1),
+        threads as u32,
+        shmem as u32,
+        &args,
+    )
+}
+
+/// y_i = W_i x for every part (W_i, y_i) of one input x: one launch per `MV_PARTS` parts when all
+/// share an affine 2-, 4- or 8-bit format (bits, group size, inputs) the tiled kernels take, each
+/// part with its own lanes, blocks and column split (`split_plan`); otherwise one
+/// [`DevLinear::matvec`] per part.
+pub fn matvec_many(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)]) -> Result<()> {
+    let Some(&(first, _)) = parts.first() else { return Ok(()) };
+    let fused = parts.len() > 1
+        && parts
+            .iter()
+            .all(|(l, _)| l.precision == first.precision && l.cols == first.cols && l.tiled_shmem().is_some());
+    if !fused {
+        for &(l, y) in parts {
+            l.matvec(gpu, x, y)?;
+        }
+        return Ok(());
+    }
+    let Precision::Affine { bits, group_size } = first.precision else { unreachable!("tiled formats are affine") };
+    for group in parts.chunks(MV_PARTS) {
+        let plans: Vec<SplitPlan> =
+            group.iter().map(|(l, _)| split_plan(gpu, l.rows, l.cols, bits, group_size)).collect();
+        launch_many(gpu, x, group, &plans)?;
+    }
+    Ok(())
+}
+
+/// Where the expert kernels read and write: x (hidden floats), act (entries x intermediate) and out
+/// (entries x hidden).
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertIo {
+    pub x: u64,
+    pub act: u64,
+    pub out: u64,
+}
+
+/// Queues the gate/up and down kernels of address-table entries `first..first + n` (records of
+/// `layout`, `record_bytes` apart in their pool; `dims` = (intermediate, hidden)). 2-, 4- and 8-bit
+/// records of 16-byte aligned matrices take the tiled core (linear.cu): one plan for all n entries
+/// (grid y), gate/up tiles of 2 rows of each, down tiles of 4 rows.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_experts(
+    g: &Gpu,
+    layout: &ExpertLayout,
+    record_bytes: usize,
+    table: u64,
+    first: usize,
+    n: usize,
+    io: ExpertIo,
+    dims: (usize, usize),
+) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let (inter, h) = dims;
+    let (gk, dk) = crate::model::expert_kernels(layout)?;
+    let (gu, down) = (&layout.gate_proj, &layout.down_proj);
+    let gs = |m: &RecordMatrix| match m.precision {
+        Precision::Affine { group_size, .. } => group_size as i32,
+        _ => 1,
+    };
+    let off = |s: Option<cherenkov_model::store::Span>| s.map_or(0, |s| s.offset);
+    let staged = |bits_of: &RecordMatrix, n: usize| match bits_of.precision {
+        Precision::Affine { bits: 2 | 4 | 8, .. } => (n * 4) as u32,
+        _ => 0,
+    };
+    let tiled = |m: &RecordMatrix, cols: usize| match m.precision {
+        Precision::Affine { bits, group_size }
+            if [Some(m.data), m.scales, m.biases].iter().all(|s| s.is_some_and(|s| s.offset.is_multiple_of(16)))
+                && record_bytes.is_multiple_of(16) =>
+        {
+            tiled_shmem(bits, group_size, cols).map(|shmem| (bits, shmem))
+        }
+        _ => None,
+    };
+    let up = &layout.up_proj;
+    let plan = |rows: usize, tile_rows: usize, cols: usize, bits: u32, shmem: usize| {
+        let min_blocks = if bits == 2 { 2 } else { 3 };
+        let p = tile_plan(g, rows.div_ceil(tile_rows), cols / (128 / bits as usize), n, min_blocks, shmem);
+        (p.blocks as u32, p.threads as u32, shmem as u32, MV_TILED | p.lanes)
+    };
+    // Experts fill the GPU together: rows per block from the rows of all entries.
+    let (gb, gt, gsh, rpb_g) = match tiled(gu, h).filter(|_| tiled(up, h).is_some() && gs(gu) == gs(up)) {
+        Some((bits, shmem)) => plan(inter, 2, h, bits, shmem),
+        None => {
+            let r = rows_per_block(inter * n, BLOCKS_WANTED);
+            (blocks(inter, r), 256, staged(gu, h), r)
+        }
+    };
+    let (db, dt, dsh, rpb_d) = match tiled(down, inter) {
+        Some((bits, shmem)) => plan(h, 4, inter, bits, shmem),
+        None => {
+            let r = rows_per_block(h * n, BLOCKS_WANTED);
+            (blocks(h, r), 256, staged(down, inter), r)
+        }
+    };
+    g.launch(
+        &gk,
+        (gb, n as u32, 1),
+        gt,
+        gsh,
+        &[
+            Arg::Ptr(table),
+            Arg::I32(first as i32),
+            Arg::Ptr(io.x),
+            Arg::Ptr(io.act),
+            Arg::I32(inter as i32),
+            Arg::I32(h as i32),
+            Arg::I32(gs(gu)),
+            Arg::I32(rpb_g as i32),
+            Arg::U64(gu.data.offset),
+            Arg::U64(off(gu.scales)),
+            Arg::U64(off(gu.biases)),
+            Arg::U64(layout.up_proj.data.offset),
+            Arg::U64(off(layout.up_proj.scales)),
+            Arg::U64(off(layout.up_proj.biases)),
+        ],
+    )?;
+    g.launch(
+        &dk,
+        (db, n as u32, 1),
+        dt,
+        dsh,
+        &[
+            Arg::Ptr(table),
+            Arg::I32(first as i32),
+            Arg::Ptr(io.act),
+            Arg::Ptr(io.out),
+            Arg::I32(inter as i32),
+            Arg::I32(h as i32),
+            Arg::I32(gs(down)),
+            Arg::I32(rpb_d as i32),
+            Arg::U64(down.data.offset),
+            Arg::U64(off(down.scales)),
+            Arg::U64(off(down.biases)),
+        ],
+    )
 }
 
 pub fn dtype_code(d: DType) -> Result<i32> {

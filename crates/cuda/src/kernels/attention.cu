@@ -9,10 +9,29 @@ extern "C" __global__ void split_q_gate(const float* qg, float* q, float* gate, 
     gate[i] = qg[(size_t)h * 2 * d + d + j];
 }
 
-// Mean-pools index keys [b*ratio, (b+1)*ratio) of `keys` ([tokens, d]), applies the zero-centred
-// k_layernorm and RoPE at the block's first position, and writes blocks[b]. One block of threads.
-extern "C" __global__ void qsa_pool_block(const float* keys, float* blocks, int b, int ratio, int d, const float* w,
-                                          float eps, const float* inv_freq, int rd) {
+// Appends the step's key and value ([kv_heads * d] each) to the caches at the step's position
+// (step[1]), and the QSA index key (`id` floats; none when ikeys is null).
+extern "C" __global__ void kv_append(const float* k, const float* v, const float* ikey, float* kc, float* vc,
+                                     float* ikeys, const int* step, int kvd, int id) {
+    const int pos = step[1];
+    const int n = max(kvd, ikeys ? id : 0);
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        if (i < kvd) {
+            kc[(size_t)pos * kvd + i] = k[i];
+            vc[(size_t)pos * kvd + i] = v[i];
+        }
+        if (ikeys && i < id) ikeys[(size_t)pos * id + i] = ikey[i];
+    }
+}
+
+// When the step's token (position step[1]) completes a block of `ratio` tokens, mean-pools that
+// block b of index keys [b*ratio, (b+1)*ratio) of `keys` ([tokens, d]), applies the zero-centred
+// k_layernorm and RoPE at the block's first position, and writes blocks[b]; otherwise does nothing.
+// One block of threads.
+extern "C" __global__ void qsa_pool_block(const float* keys, float* blocks, const int* step, int ratio, int d,
+                                          const float* w, float eps, const float* inv_freq, int rd) {
+    if ((step[1] + 1) % ratio != 0) return;
+    const int b = (step[1] + 1) / ratio - 1;
     extern __shared__ float pooled[];  // d floats
     __shared__ float scratch[32];
     for (int j = threadIdx.x; j < d; j += blockDim.x) {
@@ -49,11 +68,13 @@ extern "C" __global__ void qsa_scores(const float* q, const float* blocks, float
 }
 
 // Attention of one query per head (one block per query head) over n cached tokens: the tokens
-// idx[0..n) when idx is given, else 0..n-1. k and v caches are [tokens, kv_heads, d]; `scores` is
-// scratch of n floats per head.
-extern "C" __global__ void attend(const float* q, const float* kc, const float* vc, const int* idx, int n, float* scores,
-                                  float* out, int heads, int kv_heads, int d, float scale) {
+// idx[0..n) when idx is given, else 0..pos (n = pos + 1, pos = step[1]). k and v caches are
+// [tokens, kv_heads, d]; `scores` is scratch of n floats per head.
+extern "C" __global__ void attend(const float* q, const float* kc, const float* vc, const int* idx, int n,
+                                  const int* step, float* scores, float* out, int heads, int kv_heads, int d,
+                                  float scale) {
     __shared__ float scratch[32];
+    if (!idx) n = step[1] + 1;
     const int h = blockIdx.x;
     const int hk = h / (heads / kv_heads);
     const float* qh = q + (size_t)h * d;

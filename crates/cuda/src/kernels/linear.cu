@@ -33,22 +33,410 @@ __device__ __forceinline__ void matvec_affine_sx(const u32* __restrict__ W, cons
     }
 }
 
+// ---- Tiled affine matvec (2-, 4- and 8-bit rows): the decode path. ----
+//
+// A tile is MV_R = 4 consecutive rows; L lanes (a power of two, 1..256, chosen by the host and
+// passed in `rpb` as MV_TILED | L) share a tile's columns: lane lt of the tile takes the 16-byte
+// chunks lt, lt + L, lt + 2L, ... of each of the 4 rows (one uint4 load per row per chunk: 64 bytes
+// per lane per step, and the next step's 64 bytes are loaded before this step's arithmetic). The x
+// values of a chunk are read from shared memory once and serve the 4 rows. Tiles of L <= 32 lanes
+// live inside one warp (32 / L tiles per warp, reduced with shuffles); tiles of L > 32 lanes span
+// L / 32 warps of one block (reduced through shared memory). Warps (L <= 32) or blocks (L > 32)
+// loop over tiles with a grid stride, so the host may launch fewer blocks than tiles (one pass of
+// x staging per block serves many tiles).
+//
+// x is staged swizzled: float4 slot m of chunk c is stored at slot m ^ h(c), so the lanes of a
+// quarter-warp, which read the same logical slot of 8 consecutive chunks, hit 8 distinct bank
+// quads (unswizzled, the chunk stride of 128 bytes put all 8 on the same banks). Next to x the block
+// keeps sum(x) over each unit of min(32, codes per chunk) codes, which a unit never straddles a
+// group of, so a unit contributes scale * sum(q x) + bias * sum(x) with sum(x) computed once per
+// block instead of once per row.
+//
+// Codes become floats without int-to-float conversions (16 per clock per multiprocessor on Hopper,
+// an eighth of the FMA rate): for 2 and 4 bits the code is moved into the top mantissa bits of a
+// float whose exponent is that of 0.5 (one shift and mask per byte-lane group, then one byte
+// permute per code), giving 0.5 + q / 2^(BITS+1) exactly; the unit's sum of those times x is
+// 0.5 sum(x) + sum(q x) / 2^(BITS+1), so sum(q x) = 2^(BITS+1) acc - 2^BITS sum(x). For 8 bits the
+// code goes into the low byte of 2^23 (exactly 2^23 + q) and 2^23 is subtracted (exact).
+
+#define MV_TILED 0x10000
+#define MV_R 4
+
+template <int BITS>
+struct MvFmt {
+    static constexpr int CPC = 128 / BITS;             // codes per 16-byte chunk
+    static constexpr int SLOTS = CPC / 4;              // float4 slots of x per chunk
+    static constexpr int UNIT = CPC < 32 ? CPC : 32;   // codes per x sum (never straddles a group)
+    static constexpr int NSUB = CPC / UNIT;            // units per chunk
+    static constexpr int WPU = 4 / NSUB;               // u32 words per unit
+    static constexpr int SPW = 8 / BITS;               // float4 slots of x per word
+};
+
+// Physical float4 slot of logical slot m of chunk c (see above).
+template <int SLOTS>
+__device__ __forceinline__ int mv_slot(int c, int m) {
+    if constexpr (SLOTS >= 8) {
+        return c * SLOTS + (m ^ (c & 7));
+    } else {
+        return c * SLOTS + (m ^ ((c / (8 / SLOTS)) & (SLOTS - 1)));
+    }
+}
+
+// Streamed 16-byte weight load: read once, so it does not displace x or the scales in L1.
+__device__ __forceinline__ uint4 mv_ld_stream(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ u32 mv_word(const uint4& v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }
+
+__device__ __forceinline__ float mv_f4(const float4& v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }
+
+// acc + sum over the word's codes of f(q) * x, x being the word's 32/BITS floats (SPW float4s).
+// f(q) = 0.5 + q / 2^(BITS+1) for 2 and 4 bits, q for 8 bits.
+template <int BITS>
+__device__ __forceinline__ float mv_word_dot(u32 w, const float4* xs, float acc) {
+    if constexpr (BITS == 8) {
+        // Byte k -> low byte of 0x4B000000 (= 2^23 + q).
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const float f = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440 | k)) - 8388608.0f;
+            acc = fmaf(f, mv_f4(xs[0], k), acc);
+        }
+    } else {
+        constexpr int K = 8 / BITS;              // codes per byte
+        constexpr int POS = 7 - BITS;            // the code's bit position in byte 2 of the float
+        constexpr u32 MASK = (((1u << BITS) - 1u) << POS) * 0x01010101u;
+#pragma unroll
+        for (int s = 0; s < K; s++) {
+            // Code s of every byte at bits POS.. of that byte.
+            const int sh = POS - s * BITS;
+            const u32 v = (sh >= 0 ? (w << sh) : (w >> -sh)) & MASK;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                // Byte j of v into byte 2, 0x3F into byte 3: 0.5 * (1 + q / 2^BITS).
+                const float f = __uint_as_float(__byte_perm(v, 0x3F000000u, 0x7044 | (j << 8)));
+                // Code index within the word: j * K + s.
+                const int n = j * K + s;
+                acc = fmaf(f, mv_f4(xs[n >> 2], n & 3), acc);
+            }
+        }
+    }
+    return acc;
+}
+
+// Stages x swizzled into sx4 and the unit sums into ssum (all threads of the block take part;
+// blockDim.x is a multiple of 32).
+template <int BITS>
+__device__ __forceinline__ void mv_stage(const float* __restrict__ x, float4* sx4, float* ssum, int cols) {
+    typedef MvFmt<BITS> F;
+    constexpr int G = F::UNIT / 4;  // float4 slots per unit: 4 or 8
+    const int n4 = cols >> 2;
+    const bool aligned = (((size_t)x) & 15) == 0;
+#pragma unroll 4
+    for (int base = 0; base < n4; base += blockDim.x) {
+        const int i = base + threadIdx.x;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (i < n4) {
+            if (aligned) {
+                v = __ldg((const float4*)x + i);
+            } else {
+                v = make_float4(__ldg(x + 4 * i), __ldg(x + 4 * i + 1), __ldg(x + 4 * i + 2), __ldg(x + 4 * i + 3));
+            }
+        }
+        float s = (v.x + v.y) + (v.z + v.w);
+#pragma unroll
+        for (int o = 1; o < G; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (i < n4) {
+            sx4[mv_slot<F::SLOTS>(i / F::SLOTS, i % F::SLOTS)] = v;
+            if ((i & (G - 1)) == 0) ssum[i / G] = s;
+        }
+    }
+    __syncthreads();
+}
+
+// Tile layouts of the tiled core. MV_PLAIN: tile t is rows 4t..4t+3 of matrix `a`. MV_GATE_UP:
+// tile t is rows 2t, 2t+1 of `a` (gate) and the same rows of `b` (up), so the thread that finishes
+// a tile holds both projections of its rows (the expert kernels write silu(gate) * up directly).
+#define MV_PLAIN 0
+#define MV_GATE_UP 1
+
+// A matrix (or a column slice of one) as the tiled core reads it: the slice's first 16-byte chunk
+// and first group of row 0; rows are C chunks and gpr groups apart.
+struct MvMat {
+    const uint4* w;
+    const u16* s;
+    const u16* b;
+};
+
+// One step's loads: the chunk `c` of the tile's 4 rows (clamped to the last row) and the scale and
+// bias of each of its units (packed: scale in the low half, bias in the high half).
+template <int BITS, int MODE>
+__device__ __forceinline__ void mv_load(const MvMat& a, const MvMat& bm, int tile, int c, bool active, int rows,
+                                        int C, int gpr, int gshift, uint4* w, u32* sb) {
+    typedef MvFmt<BITS> F;
+    if (active) {
+#pragma unroll
+        for (int i = 0; i < MV_R; i++) {
+            const MvMat& m = (MODE == MV_GATE_UP && i >= 2) ? bm : a;
+            const int r = MODE == MV_GATE_UP ? tile * 2 + (i & 1) : tile * MV_R + i;
+            const size_t row = (size_t)min(r, rows - 1);
+            w[i] = mv_ld_stream(m.w + row * C + c);
+#pragma unroll
+            for (int p = 0; p < F::NSUB; p++) {
+                const size_t g = row * gpr + ((c * F::CPC + p * F::UNIT) >> gshift);
+                sb[i * F::NSUB + p] = (u32)__ldg(m.s + g) | ((u32)__ldg(m.b + g) << 16);
+            }
+        }
+    }
+}
+
+// The tiled core: the tiles of one matrix (or gate/up pair) over the Cs chunks of a column slice,
+// x being that slice's inputs. `blk` of `nblk` blocks share the tiles (grid stride). Each finished
+// tile calls emit(tile, v) once, from one thread, with the tile's 4 sums.
+template <int BITS, int MODE, class Emit>
+__device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const float* __restrict__ x, int rows, int C,
+                                        int Cs, int gpr, int gshift, int L, int blk, int nblk, Emit emit) {
+    typedef MvFmt<BITS> F;
+    extern __shared__ float4 mv_smem[];
+    __shared__ float red[32][MV_R];
+    const int cols = Cs * F::CPC;                 // inputs of the slice
+    float4* sx4 = mv_smem;
+    float* ssum = (float*)mv_smem + cols;
+
+    const int lshift = __ffs(L) - 1;              // L is a power of two
+    const int nit = (Cs + L - 1) >> lshift;       // steps per tile
+    const int ntiles = MODE == MV_GATE_UP ? (rows + 1) / 2 : (rows + MV_R - 1) / MV_R;
+    const int t = threadIdx.x;
+    // A unit is a warp (L <= 32) or the block (L > 32); it covers `tpu` tiles per pass.
+    int unit, nunits, tpu, tin;
+    if (L <= 32) {
+        unit = blk * (blockDim.x >> 5) + (t >> 5);
+        nunits = nblk * (blockDim.x >> 5);
+        tpu = 32 >> lshift;
+        tin = t & 31;
+    } else {
+        unit = blk;
+        nunits = nblk;
+        tpu = blockDim.x >> lshift;
+        tin = t;
+    }
+    const int sub = tin >> lshift, lt = tin & (L - 1);
+
+    // The first step's weights are requested before x is staged, so both latencies overlap.
+    int pass = unit, it = 0;
+    bool more = pass * tpu < ntiles;
+    uint4 wc[MV_R];
+    u32 sbc[MV_R * F::NSUB];
+    {
+        const int tile = pass * tpu + sub, c = lt;
+        mv_load<BITS, MODE>(a, bm, tile, c, more && tile < ntiles && c < Cs, rows, C, gpr, gshift, wc, sbc);
+    }
+    mv_stage<BITS>(x, sx4, ssum, cols);
+
+    float tot[MV_R];
+#pragma unroll
+    for (int i = 0; i < MV_R; i++) tot[i] = 0.0f;
+    while (more) {
+        const int tile = pass * tpu + sub, c = (it << lshift) + lt;
+        // Request the next step before computing this one.
+        int pass2 = pass, it2 = it + 1;
+        if (it2 == nit) {
+            it2 = 0;
+            pass2 += nunits;
+        }
+        const bool more2 = pass2 * tpu < ntiles;
+        uint4 wn[MV_R];
+        u32 sbn[MV_R * F::NSUB];
+        {
+            const int tile2 = pass2 * tpu + sub, c2 = (it2 << lshift) + lt;
+            mv_load<BITS, MODE>(a, bm, tile2, c2, more2 && tile2 < ntiles && c2 < Cs, rows, C, gpr, gshift, wn, sbn);
+        }
+        if (tile < ntiles && c < Cs) {
+#pragma unroll
+            for (int p = 0; p < F::NSUB; p++) {
+                float acc[MV_R];
+#pragma unroll
+                for (int i = 0; i < MV_R; i++) acc[i] = 0.0f;
+#pragma unroll
+                for (int k = 0; k < F::WPU; k++) {
+                    const int wi = p * F::WPU + k;  // word within the chunk
+                    float4 xs[F::SPW];
+#pragma unroll
+                    for (int m = 0; m < F::SPW; m++) xs[m] = sx4[mv_slot<F::SLOTS>(c, wi * F::SPW + m)];
+#pragma unroll
+                    for (int i = 0; i < MV_R; i++) acc[i] = mv_word_dot<BITS>(mv_word(wc[i], wi), xs, acc[i]);
+                }
+                const float xsum = ssum[c * F::NSUB + p];
+#pragma unroll
+                for (int i = 0; i < MV_R; i++) {
+                    const u32 sb = sbc[i * F::NSUB + p];
+                    const float scale = __uint_as_float(sb << 16), bias = __uint_as_float(sb & 0xffff0000u);
+                    if constexpr (BITS == 8) {
+                        tot[i] = fmaf(scale, acc[i], fmaf(bias, xsum, tot[i]));
+                    } else {
+                        // sum(q x) = 2^(BITS+1) acc - 2^BITS xsum.
+                        const float sq = fmaf((float)(2 << BITS), acc[i], -(float)(1 << BITS) * xsum);
+                        tot[i] = fmaf(scale, sq, fmaf(bias, xsum, tot[i]));
+                    }
+                }
+            }
+        }
+        if (it == nit - 1) {
+            // The tile is done: reduce over its L lanes and hand its sums over.
+            if (L <= 32) {
+#pragma unroll
+                for (int i = 0; i < MV_R; i++) {
+                    for (int o = L >> 1; o > 0; o >>= 1) tot[i] += __shfl_xor_sync(0xffffffffu, tot[i], o);
+                }
+                if (lt == 0 && tile < ntiles) emit(tile, tot);
+            } else {
+#pragma unroll
+                for (int i = 0; i < MV_R; i++) tot[i] = warp_sum(tot[i]);
+                if ((t & 31) == 0) {
+#pragma unroll
+                    for (int i = 0; i < MV_R; i++) red[t >> 5][i] = tot[i];
+                }
+                __syncthreads();
+                if (t < tpu) {
+                    const int wpt = L >> 5, tl = pass * tpu + t;
+                    float v[MV_R];
+#pragma unroll
+                    for (int i = 0; i < MV_R; i++) {
+                        v[i] = 0.0f;
+                        for (int k = 0; k < wpt; k++) v[i] += red[t * wpt + k][i];
+                    }
+                    if (tl < ntiles) emit(tl, v);
+                }
+                __syncthreads();
+            }
+#pragma unroll
+            for (int i = 0; i < MV_R; i++) tot[i] = 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < MV_R; i++) wc[i] = wn[i];
+#pragma unroll
+        for (int i = 0; i < MV_R * F::NSUB; i++) sbc[i] = sbn[i];
+        pass = pass2;
+        it = it2;
+        more = more2;
+    }
+}
+
+template <int BITS>
+__device__ __forceinline__ void matvec_tiled(const u32* __restrict__ W, const u16* __restrict__ S,
+                                             const u16* __restrict__ B, const float* __restrict__ x,
+                                             float* __restrict__ y, int rows, int cols, int gs, int L) {
+    typedef MvFmt<BITS> F;
+    const int C = cols / F::CPC, gpr = cols / gs, gshift = __ffs(gs) - 1;
+    const MvMat a{(const uint4*)W, S, B};
+    mv_core<BITS, MV_PLAIN>(a, a, x, rows, C, C, gpr, gshift, L, blockIdx.x, gridDim.x, [&](int tile, const float* v) {
+#pragma unroll
+        for (int i = 0; i < MV_R; i++) {
+            if (tile * MV_R + i < rows) y[tile * MV_R + i] = v[i];
+        }
+    });
+}
+
+// ---- Several matrices of one input in one launch, columns optionally split across blocks. ----
+//
+// Part p (blockIdx.y; up to MV_PARTS parts, all of one format and `cols` inputs) is the matrix
+// (W_p, S_p, B_p) of r_p rows into y_p, run by the tiled core with l_p lanes per tile and n_p blocks
+// per column slice, over k_p column slices (blockIdx.x = slice * n_p + block; blocks beyond k_p n_p
+// leave at once). With k_p = 1 the tiles write y_p directly. With k_p > 1 each slice stages only its
+// columns of x and writes its sums into the scratch (slice-major, r_p floats per slice); the last
+// block of the part to finish (a counter per part at the head of the scratch, reset by that block)
+// adds the slices up in slice order, so the result does not depend on which block ran when.
+#define MV_PARTS 4
+#define MV_SCRATCH_HEAD 64       // floats before the partial sums (the counters)
+#define MV_PART_FLOATS 16384     // partial sums per part (r_p k_p at most)
+
+template <int BITS>
+__device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, int cols, int gs, float* scratch,
+                                                 const u32* W, const u16* S, const u16* B, float* y, int rows, int L,
+                                                 int nb, int ks) {
+    typedef MvFmt<BITS> F;
+    if ((int)blockIdx.x >= nb * ks) return;  // the whole block: nothing has synchronised yet
+    const int p = blockIdx.y;
+    const int slice = blockIdx.x / nb, blk = blockIdx.x - slice * nb;
+    const int C = cols / F::CPC, Cs = C / ks, c0 = slice * Cs, gpr = cols / gs, gshift = __ffs(gs) - 1;
+    const int g0 = (c0 * F::CPC) >> gshift;
+    const MvMat a{(const uint4*)W + c0, S + g0, B + g0};
+    float* part = scratch + MV_SCRATCH_HEAD + (size_t)p * MV_PART_FLOATS;
+    float* dst = ks == 1 ? y : part + (size_t)slice * rows;
+    mv_core<BITS, MV_PLAIN>(a, a, x + (size_t)c0 * F::CPC, rows, C, Cs, gpr, gshift, L, blk, nb,
+                            [&](int tile, const float* v) {
+#pragma unroll
+                                for (int i = 0; i < MV_R; i++) {
+                                    if (tile * MV_R + i < rows) dst[tile * MV_R + i] = v[i];
+                                }
+                            });
+    if (ks > 1) {
+        __shared__ int mv_last;
+        unsigned* counter = (unsigned*)scratch + p;
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) mv_last = atomicAdd(counter, 1u) == (unsigned)(nb * ks - 1);
+        __syncthreads();
+        if (mv_last) {
+            __threadfence();
+            const volatile float* vp = part;
+            for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+                float s = 0.0f;
+                for (int k = 0; k < ks; k++) s += vp[(size_t)k * rows + r];
+                y[r] = s;
+            }
+            if (threadIdx.x == 0) *counter = 0u;
+        }
+    }
+}
+
+// MINB is 2 for every width (the part selection costs the 4-bit kernel its fit in 85 registers);
+// DevLinear's planning knows it.
+#define MV_PART_ARGS(i) \
+    const u32 *W##i, const u16 *S##i, const u16 *Bi##i, float *y##i, int r##i, int l##i, int n##i, int k##i
+#define MV_SEL(v) (p == 0 ? v##0 : p == 1 ? v##1 : p == 2 ? v##2 : v##3)
+#define MATVEC_MANY(NB, MINB)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256, MINB)                                                   \
+        matvec_many_q##NB(const float* x, int cols, int gs, float* scratch, MV_PART_ARGS(0), MV_PART_ARGS(1),  \
+                          MV_PART_ARGS(2), MV_PART_ARGS(3)) {                                                  \
+        const int p = blockIdx.y;                                                                              \
+        matvec_many_part<NB>(x, cols, gs, scratch, MV_SEL(W), MV_SEL(S), MV_SEL(Bi), MV_SEL(y), MV_SEL(r),     \
+                             MV_SEL(l), MV_SEL(n), MV_SEL(k));                                                 \
+    }
+
 #define MATVEC_AFFINE(B)                                                                                       \
     extern "C" __global__ void matvec_q##B(const u32* W, const u16* S, const u16* Bi, const float* x, float* y, \
                                            int rows, int cols, int gs, int rpb) {                              \
         matvec_affine<B>(W, S, Bi, x, y, rows, cols, gs);                                                      \
     }
-#define MATVEC_AFFINE_SX(B)                                                                                    \
-    extern "C" __global__ void matvec_q##B(const u32* W, const u16* S, const u16* Bi, const float* x, float* y, \
-                                           int rows, int cols, int gs, int rpb) {                              \
-        matvec_affine_sx<B>(W, S, Bi, x, y, rows, cols, gs, rpb);                                              \
+// rpb = MV_TILED | L: the tiled kernel with L lanes per tile (DevLinear::matvec picks it whenever it
+// applies); otherwise rpb is rows per block of the one-warp-per-row kernel (fallback for rows that
+// are not whole 16-byte chunks or x too wide for staging with its sums).
+// MINB: blocks of 256 threads each multiprocessor must hold (the register budget: 80 registers at 3,
+// which the 4- and 8-bit kernels fit without spilling; 2-bit needs more). DevLinear::matvec knows it.
+#define MATVEC_AFFINE_TILED(B, MINB)                                                                           \
+    extern "C" __global__ void __launch_bounds__(256, MINB)                                                   \
+        matvec_q##B(const u32* W, const u16* S, const u16* Bi, const float* x, float* y, int rows, int cols,   \
+                    int gs, int rpb) {                                                                         \
+        if (rpb & MV_TILED) {                                                                                  \
+            matvec_tiled<B>(W, S, Bi, x, y, rows, cols, gs, rpb & (MV_TILED - 1));                             \
+        } else {                                                                                               \
+            matvec_affine_sx<B>(W, S, Bi, x, y, rows, cols, gs, rpb);                                          \
+        }                                                                                                      \
     }
-MATVEC_AFFINE_SX(2)
+MATVEC_AFFINE_TILED(2, 2)
 MATVEC_AFFINE(3)
-MATVEC_AFFINE_SX(4)
+MATVEC_AFFINE_TILED(4, 3)
 MATVEC_AFFINE(5)
 MATVEC_AFFINE(6)
-MATVEC_AFFINE_SX(8)
+MATVEC_AFFINE_TILED(8, 3)
+MATVEC_MANY(2, 2)
+MATVEC_MANY(4, 2)
+MATVEC_MANY(8, 2)
 
 __device__ __forceinline__ void matvec_float_row_impl(const void* W, const float* x, float* y, int row, int cols, int dtype) {
     const int lane = threadIdx.x & 31;
@@ -78,10 +466,12 @@ extern "C" __global__ void matvec_float(const void* W, const float* x_global, fl
     for (int row = blockIdx.x * rpb + warp; row < end; row += warps) matvec_float_row_impl(W, x, y, row, cols, dtype);
 }
 
-// Row `row` of an embedding table, dequantized, written `copies` times (the hyper-connection streams
-// are initialised with copies of the embedding). dtype: -1 affine, else as matvec_float.
-extern "C" __global__ void embed_row(const void* W, const u16* S, const u16* B, int row, float* out, int cols,
+// Row step[0] (the step's token) of an embedding table, dequantized, written `copies` times (the
+// hyper-connection streams are initialised with copies of the embedding). dtype: -1 affine, else as
+// matvec_float.
+extern "C" __global__ void embed_row(const void* W, const u16* S, const u16* B, const int* step, float* out, int cols,
                                      int copies, int dtype, int bits, int gs) {
+    const int row = step[0];
     for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < cols; j += gridDim.x * blockDim.x) {
         float v;
         if (dtype < 0) {

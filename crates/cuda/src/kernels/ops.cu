@@ -1,18 +1,26 @@
 // Norms, elementwise steps and the hyper-connection read/inject.
 
 // Zero-centred RMSNorm: y = x / rms(x) * (1 + w) over groups of `group` elements; one block per
-// group. The weight has `wlen` elements and repeats (wlen == group for per-head norms, or the whole
-// row for per-stream norms).
+// group (launched with 1024 threads: one group is a few thousand elements, so each thread's loads
+// are few and all in flight together). The weight has `wlen` elements and repeats (wlen == group
+// for per-head norms, or the whole row for per-stream norms).
 extern "C" __global__ void rmsnorm_zc(const float* x, const float* w, float* y, int group, int wlen, float eps) {
     __shared__ float scratch[32];
     const float* xg = x + (size_t)blockIdx.x * group;
     float* yg = y + (size_t)blockIdx.x * group;
     float ss = 0.0f;
+#pragma unroll 4
     for (int j = threadIdx.x; j < group; j += blockDim.x) ss += xg[j] * xg[j];
     ss = block_sum(ss, scratch);
     const float inv = rsqrtf(ss / (float)group + eps);
     const int w0 = (int)(((size_t)blockIdx.x * group) % wlen);
-    for (int j = threadIdx.x; j < group; j += blockDim.x) yg[j] = xg[j] * inv * (1.0f + w[(w0 + j) % wlen]);
+    if (w0 + group <= wlen) {
+        const float* wg = w + w0;
+#pragma unroll 4
+        for (int j = threadIdx.x; j < group; j += blockDim.x) yg[j] = xg[j] * inv * (1.0f + wg[j]);
+    } else {
+        for (int j = threadIdx.x; j < group; j += blockDim.x) yg[j] = xg[j] * inv * (1.0f + w[(w0 + j) % wlen]);
+    }
 }
 
 // y = silu(x * scale), in place.
@@ -62,8 +70,11 @@ __device__ __forceinline__ void rope_apply(float* v, const float* inv_freq, int 
     }
 }
 
-// Per head (one block each): zero-centred RMSNorm with weight w (length d), then RoPE at pos.
-extern "C" __global__ void norm_rope(float* v, const float* w, int d, float eps, const float* inv_freq, int rd, int pos) {
+// Per head (one block each): zero-centred RMSNorm with weight w (length d), then RoPE at the
+// step's position (step[1]).
+extern "C" __global__ void norm_rope(float* v, const float* w, int d, float eps, const float* inv_freq, int rd,
+                                     const int* step) {
+    const int pos = step[1];
     __shared__ float scratch[32];
     float* h = v + (size_t)blockIdx.x * d;
     float ss = 0.0f;

@@ -33,41 +33,132 @@ extern "C" __global__ void ple_conv(const float* gn, const float* gated, float* 
     if (hist > 0) state[(size_t)(hist - 1) * W + c] = gn[c];
 }
 
-// Router: softmax over E logits, top-k (ties to the lower id), renormalised when `norm`.
-// One block; writes ids[k] and weights[k] in descending weight.
-extern "C" __global__ void route_topk(const float* logits, int E, int k, int norm, int* ids, float* weights) {
-    extern __shared__ float p[];  // E floats
+// Router: top-k of v = logits + bias (bias may be null; see model_w below) by v, ties to the lower id; weights are the
+// softmax of v at the chosen experts, renormalised over them when `norm`. One block of 256 threads
+// (E <= 256 * ROUTE_PER_THREAD, k <= 64): each warp finds its own top-k with shuffles, then warp 0
+// picks the top-k of those candidates, so no round needs the whole block. Writes ids[k] and
+// weights[k] in descending weight, the ids also to `ids_host` (mapped host memory, may be null).
+// With `map` (one address-table entry per expert, the layer's resident experts; may be null) it
+// also writes the step's address table, in rank order, and rank_entry[r] = r: every chosen expert
+// must be resident then.
+#define ROUTE_PER_THREAD 8
+#define ROUTE_MAX_K 64
+
+// Warp argmax of (v, i): largest v, ties to the lower i; every lane gets the result.
+__device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ov > bv || (ov == bv && oi < bi)) {
+            bv = ov;
+            bi = oi;
+        }
+    }
+}
+
+extern "C" __global__ void route_topk(const float* logits, const float* bias, float model_w, int E, int k, int norm,
+                                      int* ids, float* weights, int* ids_host, const u64* map, u64* table,
+                                      int* rank_entry) {
     __shared__ float scratch[32];
+    __shared__ float cand_v[8 * ROUTE_MAX_K];
+    __shared__ int cand_i[8 * ROUTE_MAX_K];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float v[ROUTE_PER_THREAD];
+    // With a bias (synthetic routers), the logits count as model_w times their standard score
+    // (engine::routing); the mean drops out of softmax and top-k.
+    float scale = 1.0f;
+    if (bias) {
+        float s1 = 0.0f, s2 = 0.0f;
+#pragma unroll
+        for (int j = 0; j < ROUTE_PER_THREAD; j++) {
+            const int e = threadIdx.x + j * blockDim.x;
+            if (e < E) {
+                s1 += logits[e];
+                s2 += logits[e] * logits[e];
+            }
+        }
+        s1 = block_sum(s1, scratch);
+        s2 = block_sum(s2, scratch);
+        const float mean = s1 / (float)E, var = fmaxf(s2 / (float)E - mean * mean, 0.0f);
+        scale = var > 0.0f ? model_w * rsqrtf(var) : 0.0f;
+    }
     float m = NEG_INF;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) m = fmaxf(m, logits[e]);
+#pragma unroll
+    for (int j = 0; j < ROUTE_PER_THREAD; j++) {
+        const int e = threadIdx.x + j * blockDim.x;
+        v[j] = e < E ? scale * logits[e] + (bias ? bias[e] : 0.0f) : NEG_INF;
+        m = fmaxf(m, v[j]);
+    }
     m = block_max(m, scratch);
     float sum = 0.0f;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        p[e] = expf(logits[e] - m);
-        sum += p[e];
-    }
+#pragma unroll
+    for (int j = 0; j < ROUTE_PER_THREAD; j++)
+        if (threadIdx.x + j * blockDim.x < E) sum += expf(v[j] - m);
     sum = block_sum(sum, scratch);
-    for (int e = threadIdx.x; e < E; e += blockDim.x) p[e] /= sum;
+    // Each warp's top-k among its experts.
+    for (int r = 0; r < k; r++) {
+        float bv = NEG_INF;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < ROUTE_PER_THREAD; j++) {
+            const int e = threadIdx.x + j * blockDim.x;
+            if (e < E && (v[j] > bv || (v[j] == bv && e < bi))) {
+                bv = v[j];
+                bi = e;
+            }
+        }
+        warp_argmax(bv, bi);
+        if (lane == 0) {
+            cand_v[warp * k + r] = bv;
+            cand_i[warp * k + r] = bi;
+        }
+#pragma unroll
+        for (int j = 0; j < ROUTE_PER_THREAD; j++)
+            if (threadIdx.x + j * blockDim.x == bi) v[j] = NEG_INF;
+    }
     __syncthreads();
+    if (warp != 0) return;
+    // Warp 0: the top-k of the nw * k candidates.
+    const int nc = nw * k;
+    float cv[(8 * ROUTE_MAX_K) / 32];
+    int ci[(8 * ROUTE_MAX_K) / 32];
+#pragma unroll
+    for (int t = 0; t < (8 * ROUTE_MAX_K) / 32; t++) {
+        const int c = lane + 32 * t;
+        cv[t] = c < nc ? cand_v[c] : NEG_INF;
+        ci[t] = c < nc ? cand_i[c] : 0x7fffffff;
+    }
     float total = 0.0f;
     for (int r = 0; r < k; r++) {
-        if (threadIdx.x == 0) {
-            float bv = -1.0f;
-            int bi = 0;
-            for (int e = 0; e < E; e++)
-                if (p[e] > bv) {
-                    bv = p[e];
-                    bi = e;
-                }
+        float bv = NEG_INF;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int t = 0; t < (8 * ROUTE_MAX_K) / 32; t++)
+            if (cv[t] > bv || (cv[t] == bv && ci[t] < bi)) {
+                bv = cv[t];
+                bi = ci[t];
+            }
+        warp_argmax(bv, bi);
+#pragma unroll
+        for (int t = 0; t < (8 * ROUTE_MAX_K) / 32; t++)
+            if (ci[t] == bi) cv[t] = NEG_INF;
+        const float p = expf(bv - m) / sum;
+        total += p;
+        if (lane == 0) {
             ids[r] = bi;
-            weights[r] = bv;
-            total += bv;
-            p[bi] = -2.0f;
+            weights[r] = p;
+            if (ids_host) ids_host[r] = bi;
+            if (map) {
+                table[r] = map[bi];
+                rank_entry[r] = r;
+            }
         }
-        __syncthreads();
     }
-    if (threadIdx.x == 0 && norm)
-        for (int r = 0; r < k; r++) weights[r] /= total;
+    if (norm) {
+        __syncwarp();
+        for (int r = lane; r < k; r += 32) weights[r] /= total;
+    }
 }
 
 // Gate and up projections of the experts in the address table, entries [first, first + gridDim.y):
@@ -120,6 +211,48 @@ __device__ void expert_down(const u64* table, int first, const float* act, float
     }
 }
 
+// 2-, 4- and 8-bit experts through the tiled core of linear.cu when the host passes
+// rpb = MV_TILED | L (launch_experts does whenever the records allow it: 16-byte aligned matrices,
+// rows of whole chunks, groups of whole x-sum units): blockIdx.y is the entry, blockIdx.x of
+// gridDim.x blocks share its tiles. gate_up tiles hold 2 rows of gate and the same 2 rows of up, so
+// the thread that finishes a tile writes silu(gate) * up; down tiles are 4 rows of down over act[e].
+template <int BITS>
+__device__ __forceinline__ void expert_gate_up_tiled(const u64* table, int first, const float* x, float* act, int I,
+                                                     int H, int gs, int L, u64 g_w, u64 g_s, u64 g_b, u64 u_w,
+                                                     u64 u_s, u64 u_b) {
+    typedef MvFmt<BITS> F;
+    const int e = first + blockIdx.y;
+    const u8* rec = (const u8*)(table[e] & ~TAG_MASK);
+    const int C = H / F::CPC, gpr = H / gs, gshift = __ffs(gs) - 1;
+    const MvMat g{(const uint4*)(rec + g_w), (const u16*)(rec + g_s), (const u16*)(rec + g_b)};
+    const MvMat u{(const uint4*)(rec + u_w), (const u16*)(rec + u_s), (const u16*)(rec + u_b)};
+    float* y = act + (size_t)e * I;
+    mv_core<BITS, MV_GATE_UP>(g, u, x, I, C, C, gpr, gshift, L, blockIdx.x, gridDim.x, [&](int tile, const float* v) {
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            if (tile * 2 + j < I) y[tile * 2 + j] = siluf_(v[j]) * v[j + 2];
+        }
+    });
+}
+
+template <int BITS>
+__device__ __forceinline__ void expert_down_tiled(const u64* table, int first, const float* act, float* out, int I,
+                                                  int H, int gs, int L, u64 d_w, u64 d_s, u64 d_b) {
+    typedef MvFmt<BITS> F;
+    const int e = first + blockIdx.y;
+    const u8* rec = (const u8*)(table[e] & ~TAG_MASK);
+    const int C = I / F::CPC, gpr = I / gs, gshift = __ffs(gs) - 1;
+    const MvMat d{(const uint4*)(rec + d_w), (const u16*)(rec + d_s), (const u16*)(rec + d_b)};
+    float* y = out + (size_t)e * H;
+    mv_core<BITS, MV_PLAIN>(d, d, act + (size_t)e * I, H, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,
+                            [&](int tile, const float* v) {
+#pragma unroll
+                                for (int i = 0; i < MV_R; i++) {
+                                    if (tile * MV_R + i < H) y[tile * MV_R + i] = v[i];
+                                }
+                            });
+}
+
 #define EXPERT_KERNELS(B)                                                                                             \
     extern "C" __global__ void expert_gate_up_q##B(const u64* table, int first, const float* x, float* act, int I,     \
                                                    int H, int gs, int rpb, u64 g_w, u64 g_s, u64 g_b, u64 u_w,         \
@@ -130,12 +263,33 @@ __device__ void expert_down(const u64* table, int first, const float* act, float
                                                 int H, int gs, int rpb, u64 d_w, u64 d_s, u64 d_b) {                   \
         expert_down<B>(table, first, act, out, I, H, gs, rpb, d_w, d_s, d_b);                                         \
     }
-EXPERT_KERNELS(2)
+// MINB as for matvec_q (blocks of 256 threads per multiprocessor; launch_experts knows it).
+#define EXPERT_KERNELS_TILED(B, MINB)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256, MINB)                                                          \
+        expert_gate_up_q##B(const u64* table, int first, const float* x, float* act, int I, int H, int gs, int rpb,  \
+                            u64 g_w, u64 g_s, u64 g_b, u64 u_w, u64 u_s, u64 u_b) {                                   \
+        if (rpb & MV_TILED) {                                                                                         \
+            expert_gate_up_tiled<B>(table, first, x, act, I, H, gs, rpb & (MV_TILED - 1), g_w, g_s, g_b, u_w, u_s,  \
+                                    u_b);                                                                             \
+        } else {                                                                                                      \
+            expert_gate_up<B>(table, first, x, act, I, H, gs, rpb, g_w, g_s, g_b, u_w, u_s, u_b);                     \
+        }                                                                                                             \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256, MINB)                                                          \
+        expert_down_q##B(const u64* table, int first, const float* act, float* out, int I, int H, int gs, int rpb,   \
+                         u64 d_w, u64 d_s, u64 d_b) {                                                                 \
+        if (rpb & MV_TILED) {                                                                                         \
+            expert_down_tiled<B>(table, first, act, out, I, H, gs, rpb & (MV_TILED - 1), d_w, d_s, d_b);             \
+        } else {                                                                                                      \
+            expert_down<B>(table, first, act, out, I, H, gs, rpb, d_w, d_s, d_b);                                     \
+        }                                                                                                             \
+    }
+EXPERT_KERNELS_TILED(2, 2)
 EXPERT_KERNELS(3)
-EXPERT_KERNELS(4)
+EXPERT_KERNELS_TILED(4, 3)
 EXPERT_KERNELS(5)
 EXPERT_KERNELS(6)
-EXPERT_KERNELS(8)
+EXPERT_KERNELS_TILED(8, 3)
 
 // MoE output for one row: y[j] = sum over its top-k ranks r of w[r] * out[entry[r], j] (in rank order,
 // like the CPU) + sigmoid(shared_gate) * shared[j].
