@@ -53,8 +53,10 @@
 //! - Every request first pins its hits, then assigns slots to its misses, all under one lock: a miss
 //!   can never evict another expert of the same step.
 //! - Misses are queued in request order. Callers order experts by importance (e.g. routing weight),
-//!   so the reads that unblock the most work start first; a later step's reads (e.g. lookahead) go
-//!   behind them. The IO threads take jobs FIFO.
+//!   so the reads that unblock the most work start first. Demand reads (a step waits for them) go
+//!   ahead of every queued prefetch (lookahead), whenever it was queued: a wrong prediction never
+//!   delays a step's own misses; a queued prefetch that a step then asks for becomes a demand read.
+//!   The IO threads take jobs from the front.
 //! - One record is read at most once at a time: a request for a record already `Loading` joins
 //!   that read.
 //! - A request the pool cannot serve (more experts than slots, or not enough slots because other
@@ -389,6 +391,8 @@ struct Job {
     layer: usize,
     expert: usize,
     ticket: Arc<Ticket>,
+    /// A step waits for it (a miss), as opposed to a prefetch.
+    demand: bool,
 }
 
 struct Inner {
@@ -482,8 +486,29 @@ impl Inner {
             ticket: Some(Arc::clone(&ticket)),
         };
         self.map.insert((layer, expert), s);
-        self.queue.push_back(Job { slot: s, generation, layer, expert, ticket: Arc::clone(&ticket) });
+        let demand = pins > 0;
+        self.enqueue(Job { slot: s, generation, layer, expert, ticket: Arc::clone(&ticket), demand });
         (generation, ticket)
+    }
+
+    /// Queues a read: a demand read behind the other demand reads but ahead of every queued
+    /// prefetch; a prefetch last.
+    fn enqueue(&mut self, job: Job) {
+        if job.demand {
+            let at = self.queue.iter().position(|j| !j.demand).unwrap_or(self.queue.len());
+            self.queue.insert(at, job);
+        } else {
+            self.queue.push_back(job);
+        }
+    }
+
+    /// A queued prefetch of slot `s` that a step now waits for becomes a demand read.
+    fn promote(&mut self, s: usize) {
+        if let Some(i) = self.queue.iter().position(|j| j.slot == s && !j.demand) {
+            let mut job = self.queue.remove(i).expect("found above");
+            job.demand = true;
+            self.enqueue(job);
+        }
     }
 
     fn capacity(&self, layer: usize, experts: &[usize]) -> Capacity {
@@ -760,8 +785,12 @@ impl<M: SlotMemory> ExpertPool<M> {
                     }
                     State::Free => unreachable!("free slots are not in the map"),
                 };
+                let generation = slot.generation;
+                if ticket.is_some() {
+                    inner.promote(s);
+                }
                 entries[i] = LeaseEntry { expert: e, slot: s, hit: ticket.is_none() };
-                pins[i] = Some(Pin { generation: slot.generation, ticket });
+                pins[i] = Some(Pin { generation, ticket });
             }
 
             // Pass 2: misses, in request order: a free slot, else the lowest-ranked evictable one.

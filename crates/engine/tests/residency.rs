@@ -417,6 +417,9 @@ struct GatedSlots {
     open: Mutex<bool>,
     opened: Condvar,
     loads: AtomicUsize,
+    /// Loads that reached the gate, and the slots loaded, in order.
+    entered: AtomicUsize,
+    order: Mutex<Vec<usize>>,
 }
 
 impl GatedSlots {
@@ -426,6 +429,8 @@ impl GatedSlots {
             open: Mutex::new(false),
             opened: Condvar::new(),
             loads: AtomicUsize::new(0),
+            entered: AtomicUsize::new(0),
+            order: Mutex::new(Vec::new()),
         })
     }
     fn open(&self) {
@@ -442,12 +447,14 @@ impl SlotMemory for GatedSlots {
         self.slots.record_bytes()
     }
     fn load(&self, slot: usize, record: &dyn RecordSource) -> Result<()> {
+        self.entered.fetch_add(1, Ordering::SeqCst);
         let mut open = self.open.lock().unwrap();
         while !*open {
             open = self.opened.wait(open).unwrap();
         }
         drop(open);
         self.loads.fetch_add(1, Ordering::SeqCst);
+        self.order.lock().unwrap().push(slot);
         self.slots.load(slot, record)
     }
 }
@@ -737,4 +744,31 @@ fn preload_all_makes_every_expert_resident_and_names_a_failed_read() {
     let pool = ExpertPool::new(bad, memory, 2).unwrap();
     let e = format!("{:#}", pool.preload_all().unwrap_err());
     assert!(e.contains("expert 2 of MoE layer 1") && e.contains("checksum"), "{e}");
+}
+
+#[test]
+fn demand_reads_go_ahead_of_queued_prefetches() {
+    let f = fixture();
+    let memory = GatedSlots::new(8, f.store.record_bytes());
+    let pool = ExpertPool::new(Arc::clone(&f.store), memory.clone(), 1).unwrap();
+    // The one IO thread takes the first prefetch and blocks at the gate; two stay queued.
+    assert_eq!(pool.prefetch(0, &[1, 2, 3]), 3);
+    while memory.entered.load(Ordering::SeqCst) == 0 {
+        std::thread::yield_now();
+    }
+    // A miss goes ahead of the queued prefetches; a queued prefetch a step asks for is promoted
+    // behind it.
+    let miss = pool.acquire(0, &[5]).unwrap();
+    let joined = pool.acquire(0, &[3]).unwrap();
+    assert_eq!((miss.entries()[0].hit, joined.entries()[0].hit), (false, false));
+    memory.open();
+    miss.wait_all().unwrap();
+    joined.wait_all().unwrap();
+    let t = std::time::Instant::now();
+    while memory.loads.load(Ordering::SeqCst) < 4 && t.elapsed().as_secs() < 30 {
+        std::thread::yield_now();
+    }
+    let order = memory.order.lock().unwrap().clone();
+    assert_eq!(order.len(), 4, "{order:?}");
+    assert_eq!(&order[1..3], &[miss.entries()[0].slot, joined.entries()[0].slot], "{order:?}");
 }
