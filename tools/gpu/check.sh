@@ -35,6 +35,10 @@ SYN=${SYN:-/tmp/cherenkov-flash4}
   REC=$(python3 -c "import json; print(json.load(open('$STORE/manifest.json'))['experts']['record_bytes'])")
   $BIN run flash4 "Explain hash collisions." --backend cuda --check --expert-cache $((40 * REC)) --max-tokens 16 --temperature 0
   echo
+  echo "## the deadline cut runs (--cut-weak: not reproducible, so only that it completes)"
+  OUTTXT=$($BIN run flash4 "Explain hash collisions." --backend cuda --cut-weak 0.05 --expert-cache $((40 * REC)) --max-tokens 16 --temperature 0 2>/dev/null)
+  echo "--cut-weak 0.05: ${#OUTTXT} characters generated"
+  echo
   echo "## generated text, CPU vs CUDA (CUDA picks greedy and top-k candidates on the device)"
   for mode in "--temperature 0" "--temperature 0.8 --top-k 20 --seed 3"; do
     A=$($BIN run flash4 "Explain hash collisions." --backend cpu $mode --max-tokens 16 2>/dev/null)

@@ -69,6 +69,9 @@ pub struct BenchArgs {
     pub no_peer: bool,
     #[arg(long, default_value_t = 8)]
     pub io_threads: usize,
+    /// Routing weight below which the last case's deadline cut drops late experts.
+    #[arg(long, default_value_t = 0.05)]
+    pub cut_weak: f32,
 }
 
 /// What one case measured.
@@ -84,6 +87,8 @@ struct Case {
     wait_ms: f64,
     /// Host time to queue a step's work (close to the step's time when the host sets the pace).
     queue_ms: f64,
+    /// Experts the deadline cut dropped per token.
+    cut_per_token: f64,
     /// Share of a token's experts the previous token also used (same layer).
     share: Option<f64>,
     trace: Vec<cherenkov_engine::policy::Step>,
@@ -190,7 +195,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     let tok = Tokenizer::from_dir(&store.dir)?;
     let prompt = prompt_tokens(&store.dir, &tok, None, "Explain hash collisions.", false)?;
     let experts_file = store.dir.join(&store.manifest.experts.file);
-    let run_case = |name: &str, slots: usize, cold: bool, graphs: bool| -> Result<Case> {
+    let run_case = |name: &str, slots: usize, cold: bool, graphs: bool, cut: Option<f32>| -> Result<Case> {
         if cold {
             drop_page_cache(&experts_file)?;
         }
@@ -199,6 +204,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         let mut model = CudaModel::new(store.clone(), gpu.clone(), pool.clone())?;
         model.skew = Some(Arc::new(SkewedRouting::new(skew)));
         model.graphs = graphs;
+        model.cut_weak = cut;
         let mut s = model.new_session()?;
         // Sampled (temperature 1, top-k 40), not greedy: a random model's argmax repeats itself.
         // The 40 candidates are chosen on the device, as `run` and `serve` do for such settings.
@@ -234,16 +240,24 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             experts_ms: tm.experts_ns as f64 / 1e6 / n,
             wait_ms: tm.wait_ns as f64 / 1e6 / n,
             queue_ms: tm.queue_ns as f64 / 1e6 / n,
+            cut_per_token: tm.cut as f64 / n,
             share: model.skew.as_ref().and_then(|k| k.consecutive_share()),
             trace: pool.take_trace(),
         })
     };
     let all = store.manifest.experts.records() as usize;
     let cases = [
-        run_case("all experts resident", all, false, true)?,
-        run_case("all experts resident, no CUDA graphs", all, false, false)?,
-        run_case(&format!("{} budget, page cache warm", args.gpu_memory), streamed_slots, false, true)?,
-        run_case(&format!("{} budget, page cache cold", args.gpu_memory), streamed_slots, true, true)?,
+        run_case("all experts resident", all, false, true, None)?,
+        run_case("all experts resident, no CUDA graphs", all, false, false, None)?,
+        run_case(&format!("{} budget, page cache warm", args.gpu_memory), streamed_slots, false, true, None)?,
+        run_case(&format!("{} budget, page cache cold", args.gpu_memory), streamed_slots, true, true, None)?,
+        run_case(
+            &format!("{} budget, page cache warm, --cut-weak {}", args.gpu_memory, args.cut_weak),
+            streamed_slots,
+            false,
+            true,
+            Some(args.cut_weak),
+        )?,
     ];
 
     // Roofline.
@@ -253,7 +267,8 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     let per_layer = |tok_s: f64| tok_s * c.num_hidden_layers as f64 / 48.0;
 
     // The policy study on the warm streamed run's trace.
-    // Cases: 0 resident, 1 resident without graphs, 2 streamed warm, 3 streamed cold.
+    // Cases: 0 resident, 1 resident without graphs, 2 streamed warm, 3 streamed cold, 4 streamed
+    // warm with the deadline cut.
     let trace = &cases[2].trace;
     let mut policies = Vec::new();
     for p in [
@@ -371,6 +386,10 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         100.0 * cases[2].hit_rate,
         cases[2].share.map_or("-".to_string(), |s| format!("{:.1}%", 100.0 * s))
     ));
+    md.push_str(&format!(
+        "\nThe deadline cut (last case, `--cut-weak {}`: read experts of routing weight below that, still being read when the resident experts are done, are dropped) dropped {:.2} experts per token; its output depends on read timing and is not reproducible.\n",
+        args.cut_weak, cases[4].cut_per_token
+    ));
     if let Some(p) = &peer {
         let tps = p["tokens_per_s"].as_f64().unwrap_or(0.0);
         md.push_str(&format!(
@@ -388,7 +407,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     let cases_json: Vec<_> = cases
         .iter()
         .map(|k| json!({"case": k.name, "slots": k.slots, "tok_s": k.tok_s, "hit_rate": k.hit_rate, "lookahead_accuracy": k.lookahead,
-                        "bytes_per_token": k.bytes_per_token, "dense_ms": k.dense_ms, "experts_ms": k.experts_ms, "wait_ms": k.wait_ms, "queue_ms": k.queue_ms}))
+                        "bytes_per_token": k.bytes_per_token, "dense_ms": k.dense_ms, "experts_ms": k.experts_ms, "wait_ms": k.wait_ms, "queue_ms": k.queue_ms, "cut_per_token": k.cut_per_token}))
         .collect();
     let j = json!({"date": date, "gpu": gpu.info.name, "device_bw": bw.device, "h2d_bw": bw.host_to_device, "layers": c.num_hidden_layers,
                    "experts": c.num_experts, "skew": skew, "roofline_tok_s": roofline, "cases": cases_json,

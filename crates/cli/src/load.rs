@@ -40,6 +40,12 @@ pub struct LoadArgs {
     /// Compute threads on the CPU (default: one per core).
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,
+    /// CUDA, bounded expert cache: once the resident experts of a block are computed, drop the
+    /// experts still being read whose routing weight is below WEIGHT (e.g. 0.05) instead of
+    /// waiting for them; their reads finish in the background. Off by default. Output then
+    /// depends on read timing: runs are not reproducible.
+    #[arg(long, value_name = "WEIGHT")]
+    pub cut_weak: Option<f32>,
 }
 
 /// Bytes the kernel reports as available (MemAvailable), if it says.
@@ -195,7 +201,14 @@ pub fn cuda_model(store: Arc<Store>, args: &LoadArgs) -> Result<CudaModel> {
         format_bytes((slots * record) as u64),
         100.0 * slots as f64 / all as f64,
     );
-    CudaModel::new(store, gpu, pool)
+    let mut model = CudaModel::new(store, gpu, pool)?;
+    if let Some(w) = args.cut_weak {
+        if !(0.0..=1.0).contains(&w) {
+            bail!("--cut-weak {w}: a routing weight between 0 and 1 is expected");
+        }
+        model.cut_weak = Some(w);
+    }
+    Ok(model)
 }
 
 /// Opens the store on the chosen backend.

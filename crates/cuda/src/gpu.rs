@@ -335,6 +335,16 @@ impl Event {
         unsafe { cu::event::synchronize(self.raw) }.map_err(|e| anyhow::anyhow!("a CUDA kernel failed: {e}"))
     }
 
+    /// Whether the work recorded before this event has finished (without waiting).
+    pub fn done(&self) -> Result<bool> {
+        // SAFETY: raw is a live event of this context.
+        match unsafe { sys::cuEventQuery(self.raw) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => bail!("a CUDA kernel failed: {e:?}"),
+        }
+    }
+
     /// Milliseconds from `start` to this event (both recorded with timing and completed).
     pub fn since(&self, start: &Event) -> Result<f32> {
         // SAFETY: both are live timing events of this context.

@@ -68,6 +68,8 @@ pub struct StepTiming {
     /// Host time spent queueing the steps' work, up to the final wait for the GPU, ns (close to
     /// `total_ns` when the host, not the GPU, sets the pace).
     pub queue_ns: u64,
+    /// Experts dropped by the deadline cut (`--cut-weak`).
+    pub cut: u64,
 }
 
 impl StepTiming {
@@ -127,6 +129,8 @@ pub(crate) struct MoeBufs {
     ranks: DevBuf,
     tables_host: Pinned,
     ranks_host: Pinned,
+    /// The routing weights as the host sees them `[l, k]` (for the deadline cut).
+    weights_host: Pinned,
     /// Synthetic-router biases `[l, 2, E]`: for routing, then for predicting.
     bias: DevBuf,
     bias_host: Pinned,
@@ -151,6 +155,8 @@ pub(crate) struct MoeStep<'p> {
     start: std::time::Instant,
     /// Host time until everything up to the logits was queued.
     queued_ns: Option<u64>,
+    /// Experts dropped by the deadline cut.
+    cut: u64,
     /// Being captured into a graph, or replayed from one: no timing events (a captured event
     /// record cannot be read as a clock).
     untimed: bool,
@@ -166,6 +172,7 @@ impl MoeStep<'_> {
             start: std::time::Instant::now(),
             queued_ns: None,
             untimed: false,
+            cut: 0,
         }
     }
 }
@@ -179,6 +186,8 @@ pub struct CudaModel {
     /// Lookahead: apply the next layer's router to this layer's MoE input and prefetch its experts
     /// behind the step's own misses.
     pub lookahead: bool,
+    /// The deadline cut's weight (`--cut-weak`): None waits for every read.
+    pub cut_weak: Option<f32>,
     /// Replay steps that never wait for the host (every expert resident) as CUDA graphs.
     pub graphs: bool,
     /// Captured steps and what each was captured for (the most recently used last).
@@ -207,6 +216,7 @@ impl MoeBufs {
             ids: gpu.zeros(l * k * 4, what)?,
             weights: gpu.zeros(l * k * 4, what)?,
             ids_host: gpu.pinned(l * k * 4, what)?,
+            weights_host: gpu.pinned(l * k * 4, what)?,
             pred_ids: gpu.zeros(l * k * 4, what)?,
             pred_weights: gpu.zeros(l * k * 4, what)?,
             pred_host: gpu.pinned(l * k * 4, what)?,
@@ -279,7 +289,8 @@ impl CudaModel {
             weights: z(e.max(1024) * 4, "the routing weights")?,
             ids: z(e.max(1024) * 4, "the routing ids")?,
             act: z(f32s(e * c.moe_intermediate_size), "expert activations")?,
-            eout: z(f32s(e * c.hidden_size), "expert outputs")?,
+            // One row more than entries: the deadline cut points dropped experts at a zero row.
+            eout: z(f32s((e + 1) * c.hidden_size), "expert outputs")?,
             scores: z(f32s(c.num_attention_heads * 4096), "attention scores")?,
             idx: z(4 * 4096, "attention token lists")?,
             logits: z(f32s(c.vocab_size), "logits")?,
@@ -295,6 +306,7 @@ impl CudaModel {
             pool,
             skew: None,
             lookahead: true,
+            cut_weak: None,
             graphs: std::env::var_os("CHERENKOV_NO_GRAPHS").is_none(),
             graph: Mutex::new(Vec::new()),
             predicted,
@@ -566,6 +578,7 @@ impl CudaModel {
             t.wait_ns += st.wait_ns;
             t.experts_ns += experts_ns;
             t.queue_ns += queue_ns;
+            t.cut += st.cut;
         });
         Ok(())
     }
@@ -1070,6 +1083,10 @@ impl CudaModel {
         }
         let ev = &mb.events[l];
         if !resident {
+            if self.cut_weak.is_some() {
+                // The routing weights too, for the deadline cut.
+                g.download(&mb.weights_host, l * k * 4, weights, k * 4)?;
+            }
             g.record(&ev[0])?;
         }
         // The shared expert runs while the host reads the routing.
@@ -1159,11 +1176,23 @@ impl CudaModel {
         // 4. Reads done: the read experts, then the combination.
         if hits < k {
             let tw = std::time::Instant::now();
-            lease.wait_all()?;
+            let kept = match self.cut_weak {
+                Some(w) => self.cut_at_deadline(mb, l, &lease, &order, hits, &ev[2], w)?,
+                None => k,
+            };
+            for &i in &order[hits..kept] {
+                lease.wait(i)?;
+            }
             st.wait_ns += tw.elapsed().as_nanos() as u64;
-            g.record(&ev[3])?;
-            self.launch_experts(sc, layout, table, hits, k - hits)?;
-            st.read_timed.push(l);
+            st.cut += (k - kept) as u64;
+            if kept > hits {
+                g.record(&ev[3])?;
+                self.launch_experts(sc, layout, table, hits, kept - hits)?;
+                st.read_timed.push(l);
+            } else {
+                // Nothing left to time: an empty interval.
+                g.record(&ev[3])?;
+            }
         }
         combine(g)?;
         if hits < k {
@@ -1197,6 +1226,68 @@ impl CudaModel {
         let at = (l * 2 + which) * e;
         self.gpu.upload(mb.bias.at(at * 4), &mb.bias_host, at * 4, e * 4)?;
         Ok(mb.bias.at(at * 4))
+    }
+
+    /// The deadline cut (`--cut-weak`): waits until every read of the block is done or the
+    /// resident experts' kernels have finished (`deadline`), whichever comes first. At the
+    /// deadline the experts still being read whose routing weight is below `weak` are dropped:
+    /// the table is rewritten with the kept read experts after the resident ones and the dropped
+    /// last, and the dropped ranks point at an entry whose output is zero. Their slots stay leased
+    /// until the lease is dropped, and their reads finish in the background. Returns the number of
+    /// table entries kept (resident + kept read experts).
+    #[allow(clippy::too_many_arguments)]
+    fn cut_at_deadline(
+        &self,
+        mb: &MoeBufs,
+        l: usize,
+        lease: &Lease<'_, DeviceSlots>,
+        order: &[usize],
+        hits: usize,
+        deadline: &Event,
+        weak: f32,
+    ) -> Result<usize> {
+        let k = order.len();
+        loop {
+            if order[hits..].iter().all(|&i| lease.is_ready(i)) {
+                return Ok(k);
+            }
+            if deadline.done()? {
+                break;
+            }
+            // Not a tight spin: querying the event takes a driver lock the IO threads' copies
+            // need too.
+            std::thread::sleep(std::time::Duration::from_micros(20));
+        }
+        // SAFETY: downloaded before the router-ready event, which the caller waited for.
+        let w = unsafe { &mb.weights_host.as_slice::<f32>()[l * k..(l + 1) * k] };
+        let dropped = |i: usize| !lease.is_ready(i) && w[i] < weak;
+        let mut new_order: Vec<usize> = order[..hits].to_vec();
+        new_order.extend(order[hits..].iter().copied().filter(|&i| !dropped(i)));
+        let kept = new_order.len();
+        if kept == k {
+            return Ok(k);
+        }
+        new_order.extend(order[hits..].iter().copied().filter(|&i| dropped(i)));
+        let entries = lease.entries();
+        let tag = layer_tag(&self.store.manifest.experts.layers[l]);
+        let mem = self.pool.memory();
+        // SAFETY: the table's first upload ran before the resident kernels, which have finished
+        // (the deadline passed), so these rows are not being read.
+        unsafe {
+            let t = &mut mb.tables_host.as_mut_slice::<u64>()[l * k..(l + 1) * k];
+            for (slot, &i) in t.iter_mut().zip(&new_order) {
+                *slot = mem.slot_ptr(entries[i].slot) | tag;
+            }
+            let r = &mut mb.ranks_host.as_mut_slice::<i32>()[l * k..(l + 1) * k];
+            for (rank, entry) in r.iter_mut().enumerate() {
+                let at = new_order.iter().position(|&i| i == rank).expect("every rank has an entry");
+                // The zero row past every entry for the dropped experts.
+                *entry = if at < kept { at as i32 } else { k as i32 };
+            }
+        }
+        self.gpu.upload(mb.tables.at(l * k * 8), &mb.tables_host, l * k * 8, k * 8)?;
+        self.gpu.upload(mb.ranks.at(l * k * 4), &mb.ranks_host, l * k * 4, k * 4)?;
+        Ok(kept)
     }
 
     /// Queues the router kernel (see `route_topk` in ple_moe.cu); zero pointers are absent.
