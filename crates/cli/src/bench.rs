@@ -89,6 +89,8 @@ struct Case {
     queue_ms: f64,
     /// Experts the deadline cut dropped per token.
     cut_per_token: f64,
+    /// Where the timed loads' time went.
+    loads: cherenkov_cuda::slots::LoadSplit,
     /// Share of a token's experts the previous token also used (same layer).
     share: Option<f64>,
     trace: Vec<cherenkov_engine::policy::Step>,
@@ -200,7 +202,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             drop_page_cache(&experts_file)?;
         }
         let memory = Arc::new(DeviceSlots::new(gpu.clone(), slots, store.record_bytes())?);
-        let pool = Arc::new(ExpertPool::new(store.clone(), memory, args.io_threads)?);
+        let pool = Arc::new(ExpertPool::new(store.clone(), memory.clone(), args.io_threads)?);
         let mut model = CudaModel::new(store.clone(), gpu.clone(), pool.clone())?;
         model.skew = Some(Arc::new(SkewedRouting::new(skew)));
         model.graphs = graphs;
@@ -218,6 +220,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             cands = model.forward_candidates(&mut s, &[t], k, among)?;
         }
         pool.reset_stats();
+        memory.reset_load_split();
         pool.record_trace(true);
         model.reset_timing();
         let t0 = std::time::Instant::now();
@@ -241,6 +244,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             wait_ms: tm.wait_ns as f64 / 1e6 / n,
             queue_ms: tm.queue_ns as f64 / 1e6 / n,
             cut_per_token: tm.cut as f64 / n,
+            loads: memory.load_split(),
             share: model.skew.as_ref().and_then(|k| k.consecutive_share()),
             trace: pool.take_trace(),
         })
@@ -386,6 +390,18 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         100.0 * cases[2].hit_rate,
         cases[2].share.map_or("-".to_string(), |s| format!("{:.1}%", 100.0 * s))
     ));
+    md.push_str("\nExpert loads in the timed part (mean per load: reading the four pieces in parallel into pinned memory; the checksum, while the copy to the GPU runs; then waiting for the copy):\n\n| case | loads | read ms | checksum ms | copy wait ms |\n| --- | --- | --- | --- | --- |\n");
+    for k in cases.iter().filter(|k| k.loads.loads > 0) {
+        let per = |ns: u64| ns as f64 / 1e6 / k.loads.loads as f64;
+        md.push_str(&format!(
+            "| {} | {} | {:.3} | {:.3} | {:.3} |\n",
+            k.name,
+            k.loads.loads,
+            per(k.loads.read_ns),
+            per(k.loads.verify_ns),
+            per(k.loads.copy_wait_ns)
+        ));
+    }
     md.push_str(&format!(
         "\nThe deadline cut (last case, `--cut-weak {}`: read experts of routing weight below that, still being read when the resident experts are done, are dropped) dropped {:.2} experts per token; its output depends on read timing and is not reproducible.\n",
         args.cut_weak, cases[4].cut_per_token

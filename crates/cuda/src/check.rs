@@ -116,6 +116,7 @@ pub fn linear_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
         }
     }
     rows.extend(tiled_checks(gpu, rng)?);
+    rows.extend(input_checks(gpu, rng)?);
     for dtype in [DType::BF16, DType::F16, DType::F32] {
         let w = rng.normal(r * cols, 0.05);
         let data: Vec<u8> = match dtype {
@@ -134,6 +135,110 @@ pub fn linear_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
         let mut got = vec![0f32; r];
         gpu.dtoh(dy.ptr, &mut got)?;
         rows.push(CheckRow { name: format!("matvec {dtype}"), rel_err: rel_err(&got, &want), limit: LINEAR_LIMIT });
+    }
+    Ok(rows)
+}
+
+/// Matvecs of a transformed input ([`crate::weights::MatvecInput`]: silu(x s) and silu(a) b, which
+/// the kernels apply as they read or stage x) against the CPU product of the transformed vector:
+/// the tiled kernels (whole and column-split, with an unaligned input), the 4-bit kernel with rows
+/// per block (weights not 16-byte aligned), 3 bits (padded staging, and past its limit the
+/// elementwise launch before the plain matvec) and bf16 weights.
+fn input_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
+    use crate::weights::MatvecInput;
+    use cherenkov_cpu::ops::silu;
+    let mut rows = Vec::new();
+    let n = 40960;
+    let (a, b) = (rng.normal(n + 1, 2.0), rng.normal(n + 1, 1.0));
+    let s = 0.25f32;
+    let scaled: Vec<f32> = a.iter().map(|&v| silu(v * s)).collect();
+    let mul: Vec<f32> = a.iter().zip(&b).map(|(&u, &v)| silu(u) * v).collect();
+    let (da, db) = (gpu.alloc(a.len() * 4, "check input")?, gpu.alloc(b.len() * 4, "check input")?);
+    let dy = gpu.alloc(2560 * 4, "check output")?;
+    // (bits (0: bf16), group size, rows, cols, input offset (floats), weights offset (bytes), path)
+    let mut cases = Vec::new();
+    for (bits, gs) in [(2u32, 64usize), (4, 64), (8, 32)] {
+        cases.push((bits, gs, 1280, 320, 0, 0, "tiled"));
+        cases.push((bits, gs, 333, 1024, 1, 0, "tiled, unaligned input"));
+        cases.push((bits, gs, 4, 2560, 0, 0, "columns split"));
+    }
+    cases.push((4, 64, 333, 768, 0, 4, "rows per block, unaligned weights"));
+    cases.push((3, 64, 333, 768, 0, 0, "padded staging"));
+    cases.push((3, 64, 8, n, 0, 0, "elementwise fallback"));
+    cases.push((0, 0, 333, 768, 0, 0, "staged"));
+    for (bits, gs, r, c, off, woff, path) in cases {
+        let w = rng.normal(r * c, 0.05);
+        let want_of = |cpu: &Linear| {
+            [&scaled, &mul].map(|t| {
+                let mut y = vec![0f32; r];
+                cpu.forward(&t[off..off + c], &mut y);
+                y
+            })
+        };
+        let (lin, _keep, wants, what) = if bits == 0 {
+            let data: Vec<u8> = w.iter().flat_map(|&v| f32_to_bf16(v).to_le_bytes()).collect();
+            let wants = want_of(&Linear::Float { dtype: DType::BF16, rows: r, cols: c, data: &data });
+            let dw = gpu.alloc(data.len(), "w")?;
+            gpu.htod(dw.ptr, &data)?;
+            let lin = DevLinear {
+                precision: Precision::Float { dtype: DType::BF16 },
+                rows: r,
+                cols: c,
+                data: dw.ptr,
+                scales: 0,
+                biases: 0,
+            };
+            (lin, vec![dw], wants, "bf16".to_string())
+        } else {
+            let fmt = Affine::new(bits, gs);
+            let bf: Vec<u16> = w.iter().map(|&v| f32_to_bf16(v)).collect();
+            let q = quantize_matrix(&bf, r, c, fmt);
+            let wants = want_of(&Linear::Affine {
+                fmt,
+                rows: r,
+                cols: c,
+                words: &q.words,
+                scales: &q.scales,
+                biases: &q.biases,
+            });
+            let (dw, ds, dbb) = (
+                gpu.alloc(q.words.len() * 4 + 16, "w")?,
+                gpu.alloc(q.scales.len() * 2, "s")?,
+                gpu.alloc(q.biases.len() * 2, "b")?,
+            );
+            gpu.htod(dw.at(woff), &q.words)?;
+            gpu.htod(ds.ptr, &q.scales)?;
+            gpu.htod(dbb.ptr, &q.biases)?;
+            let lin = DevLinear {
+                precision: Precision::Affine { bits, group_size: gs },
+                rows: r,
+                cols: c,
+                data: dw.at(woff),
+                scales: ds.ptr,
+                biases: dbb.ptr,
+            };
+            (lin, vec![dw, ds, dbb], wants, format!("q{bits} g{gs}"))
+        };
+        for (k, want) in wants.iter().enumerate() {
+            // Fresh inputs each time: the elementwise fallback overwrites its input.
+            gpu.htod(da.ptr, &a)?;
+            gpu.htod(db.ptr, &b)?;
+            let (xa, xb) = (da.at(off * 4), db.at(off * 4));
+            let (input, tf) = if k == 0 {
+                (MatvecInput::SiluScaled(xa, s), "silu(x s)")
+            } else {
+                (MatvecInput::SiluMul(xa, xb), "silu(a) b")
+            };
+            lin.matvec_in(gpu, input, dy.ptr)?;
+            let mut got = vec![0f32; r];
+            gpu.dtoh(dy.ptr, &mut got)?;
+            rows.push(CheckRow {
+                name: format!("matvec {what} {r}x{c} of {tf} ({path})"),
+                rel_err: rel_err(&got, want),
+                // 40960 inputs summed in f32 (in another order than the CPU's).
+                limit: if c > 10240 { 4.0 * LINEAR_LIMIT } else { LINEAR_LIMIT },
+            });
+        }
     }
     Ok(rows)
 }

@@ -38,7 +38,6 @@ pub const KERNELS: &[&str] = &[
     "mul_sigmoid",
     "norm_rope",
     "gdn_conv",
-    "gdn_qk_norm",
     "gdn_recurrent",
     "gdn_recurrent_split",
     "gdn_out_norm",
@@ -66,10 +65,14 @@ pub const KERNELS: &[&str] = &[
     "top_candidates",
 ];
 
-/// Kernels that stage their input vector in dynamic shared memory (launch with cols * 4 bytes).
+/// Kernels that stage their input vector in dynamic shared memory (launch with cols * 4 bytes; the
+/// 3-, 5- and 6-bit matvecs only with an input transform, padded: `DevLinear::matvec_in`).
 pub const STAGES_X: &[&str] = &[
     "matvec_q2",
+    "matvec_q3",
     "matvec_q4",
+    "matvec_q5",
+    "matvec_q6",
     "matvec_q8",
     "matvec_many_q2",
     "matvec_many_q4",

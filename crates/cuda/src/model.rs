@@ -157,6 +157,9 @@ pub(crate) struct MoeStep<'p> {
     queued_ns: Option<u64>,
     /// Experts dropped by the deadline cut.
     cut: u64,
+    /// The combination also injects the block's output into the residual streams (steps; the
+    /// block checks read the output alone).
+    inject: bool,
     /// Being captured into a graph, or replayed from one: no timing events (a captured event
     /// record cannot be read as a clock).
     untimed: bool,
@@ -173,6 +176,7 @@ impl MoeStep<'_> {
             queued_ns: None,
             untimed: false,
             cut: 0,
+            inject: false,
         }
     }
 }
@@ -461,8 +465,9 @@ impl CudaModel {
             }
             self.inject(sc)?;
             self.hc_read(sc, &layer.mlp_hc)?;
+            // The combination injects the MoE output (no separate hc_inject).
+            st.inject = true;
             self.moe(sc, &layer.moe, w.layers.get(i + 1).map(|l| &l.moe), st)?;
-            self.inject(sc)?;
         }
         if logits {
             self.hc_read(sc, &w.hyper_connection_mixer)?;
@@ -743,21 +748,15 @@ impl CudaModel {
         )?;
         let (nk, nv, dk, dv) =
             (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
-        g.launch(
-            "gdn_qk_norm",
-            ((2 * nk) as u32, 1, 1),
-            128,
-            0,
-            &[Arg::Ptr(conv_out.ptr), Arg::I32(nk as i32), Arg::I32(dk as i32)],
-        )?;
         // Columns split over 4 threads holding their rows in registers where the head fits (the
-        // kernel's GDN_SPLIT and GDN_MAX_ROWS), else one thread per column.
+        // kernel's GDN_SPLIT and GDN_MAX_ROWS), else one thread per column. Both normalise q and k
+        // while staging them (block reductions: whole warps).
         const SPLIT: usize = 4;
-        let split = dk % SPLIT == 0 && dk / SPLIT <= 32 && dv * SPLIT <= 1024;
+        let split = dk % SPLIT == 0 && dk / SPLIT <= 32 && dv * SPLIT <= 1024 && (dv * SPLIT).is_multiple_of(32);
         let (kernel, threads, shared) = if split {
             ("gdn_recurrent_split", dv * SPLIT, 2 * dk + SPLIT * dv)
         } else {
-            ("gdn_recurrent", dv.min(1024), 2 * dk)
+            ("gdn_recurrent", dv.min(1024).next_multiple_of(32), 2 * dk)
         };
         g.launch(
             kernel,
@@ -826,14 +825,13 @@ impl CudaModel {
             Some(inj) => matvec_many(g, sc.normed.ptr, &[(&hcw.input_mix_weight_down, sc.low.ptr), (inj, sc.inj.ptr)])?,
             None => hcw.input_mix_weight_down.matvec(g, sc.normed.ptr, sc.low.ptr)?,
         }
-        g.launch(
-            "scale_silu",
-            (blocks(c.hc_lowrank, 256), 1, 1),
-            256,
-            0,
-            &[Arg::Ptr(sc.low.ptr), Arg::I32(c.hc_lowrank as i32), Arg::F32(1.0 / hc as f32)],
+        // silu(low / hc) (as the CPU: silu(low * (1 / hc))), applied by the up projection as it
+        // stages its input; `low` keeps the down projection.
+        hcw.input_mix_weight_up.matvec_in(
+            g,
+            crate::weights::MatvecInput::SiluScaled(sc.low.ptr, 1.0 / hc as f32),
+            sc.mix.ptr,
         )?;
-        hcw.input_mix_weight_up.matvec(g, sc.low.ptr, sc.mix.ptr)?;
         g.launch(
             "hc_mix",
             (blocks(h, 256), 1, 1),
@@ -1055,7 +1053,9 @@ impl CudaModel {
         let [logits, sg, su, shared, sgate, ahead] = &sc.big;
         let mb = &sc.moe;
         let resident = mb.map.is_some();
-        m.gate.matvec(g, sc.inp.ptr, logits.ptr)?;
+        // The router and the shared expert's gate (both 8-bit in MLX conversions; the gate is read
+        // only by the combination) in one launch where their formats match.
+        matvec_many(g, sc.inp.ptr, &[(&m.gate, logits.ptr), (&m.shared_expert_gate, sgate.ptr)])?;
         let bias = self.upload_bias(mb, l, 0)?;
         let (table, ranks, weights) = (mb.tables.at(l * k * 8), mb.ranks.at(l * k * 4), mb.weights.at(l * k * 4));
         self.route(
@@ -1090,21 +1090,9 @@ impl CudaModel {
             g.record(&ev[0])?;
         }
         // The shared expert runs while the host reads the routing.
-        // The shared expert's gate is read only by the combination.
-        matvec_many(
-            g,
-            sc.inp.ptr,
-            &[(&m.shared_gate_proj, sg.ptr), (&m.shared_up_proj, su.ptr), (&m.shared_expert_gate, sgate.ptr)],
-        )?;
-        let s = c.shared_expert_intermediate_size;
-        g.launch(
-            "silu_mul",
-            (blocks(s, 256), 1, 1),
-            256,
-            0,
-            &[Arg::Ptr(sg.ptr), Arg::Ptr(su.ptr), Arg::I32(s as i32)],
-        )?;
-        m.shared_down_proj.matvec(g, sg.ptr, shared.ptr)?;
+        matvec_many(g, sc.inp.ptr, &[(&m.shared_gate_proj, sg.ptr), (&m.shared_up_proj, su.ptr)])?;
+        // silu(gate) * up, applied by the down projection as it stages its input.
+        m.shared_down_proj.matvec_in(g, crate::weights::MatvecInput::SiluMul(sg.ptr, su.ptr), shared.ptr)?;
         st.routed.push(l);
         let layout = &self.store.manifest.experts.layers[l];
         let combine = |gpu: &Gpu| {
@@ -1122,6 +1110,10 @@ impl CudaModel {
                     Arg::Ptr(sgate.ptr),
                     Arg::Ptr(sc.out.ptr),
                     Arg::I32(h as i32),
+                    // Fused hyper-connection injection (the step's blocks), else none.
+                    Arg::Ptr(if st.inject { sc.x.ptr } else { 0 }),
+                    Arg::Ptr(sc.inj.ptr),
+                    Arg::I32(c.hc_count as i32),
                 ],
             )
         };

@@ -7,7 +7,9 @@
 //! a half-written record.
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use anyhow::{Result, anyhow};
 use cherenkov_engine::residency::{RecordSource, SlotMemory};
@@ -36,6 +38,18 @@ pub struct DeviceSlots {
     record_bytes: usize,
     /// Staging buffers and copy streams, one pair per concurrent load.
     staging: Mutex<Vec<(Pinned, sys::CUstream)>>,
+    /// Where load time goes (see [`LoadSplit`]).
+    split: [AtomicU64; 4],
+}
+
+/// Where the loads' time went, summed over loads (ns): reading the pieces into pinned memory,
+/// queueing the copy, checking the sum (while the copy runs), and waiting for the copy after that.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoadSplit {
+    pub loads: u64,
+    pub read_ns: u64,
+    pub verify_ns: u64,
+    pub copy_wait_ns: u64,
 }
 
 // SAFETY: raw handles are used with the context bound; the pool serialises loads per slot.
@@ -45,7 +59,25 @@ unsafe impl Sync for DeviceSlots {}
 impl DeviceSlots {
     pub fn new(gpu: Arc<Gpu>, slot_count: usize, record_bytes: usize) -> Result<DeviceSlots> {
         let buf = gpu.alloc(slot_count * record_bytes, &format!("the expert cache ({slot_count} slots)"))?;
-        Ok(DeviceSlots { gpu, buf, slot_count, record_bytes, staging: Mutex::new(Vec::new()) })
+        Ok(DeviceSlots {
+            gpu,
+            buf,
+            slot_count,
+            record_bytes,
+            staging: Mutex::new(Vec::new()),
+            split: Default::default(),
+        })
+    }
+
+    /// Where the loads' time went so far.
+    pub fn load_split(&self) -> LoadSplit {
+        let g = |i: usize| self.split[i].load(Ordering::Relaxed);
+        LoadSplit { loads: g(0), read_ns: g(1), verify_ns: g(2), copy_wait_ns: g(3) }
+    }
+
+    /// Zeroes [`DeviceSlots::load_split`].
+    pub fn reset_load_split(&self) {
+        self.split.iter().for_each(|a| a.store(0, Ordering::Relaxed));
     }
 
     /// Device address of a slot's record.
@@ -91,20 +123,28 @@ impl SlotMemory for DeviceSlots {
         // all are in, and the checksum is computed while it runs. The slot is reported loaded only
         // after both, so a corrupted record never counts as loaded.
         let piece = self.record_bytes.div_ceil(READ_PIECES).next_multiple_of(4096);
+        let t0 = Instant::now();
         let result = host
             .par_chunks_mut(piece)
             .enumerate()
             .try_for_each(|(i, chunk)| record.read_range(i * piece, chunk))
             .and_then(|()| {
+                let t1 = Instant::now();
                 // SAFETY: the slot holds record_bytes; the copy is waited for before returning.
                 unsafe {
                     cu::memcpy_htod_async(self.slot_ptr(slot), &*host, stream)
                         .map_err(|e| anyhow!("copy of an expert record to the GPU failed: {e}"))?;
                 }
                 let verified = record.verify(host);
+                let t2 = Instant::now();
                 // SAFETY: the stream belongs to this context.
                 unsafe { cu::stream::synchronize(stream) }
                     .map_err(|e| anyhow!("copy of an expert record to the GPU failed: {e}"))?;
+                let ns = |a: Instant, b: Instant| b.duration_since(a).as_nanos() as u64;
+                self.split[0].fetch_add(1, Ordering::Relaxed);
+                self.split[1].fetch_add(ns(t0, t1), Ordering::Relaxed);
+                self.split[2].fetch_add(ns(t1, t2), Ordering::Relaxed);
+                self.split[3].fetch_add(ns(t2, Instant::now()), Ordering::Relaxed);
                 verified
             });
         self.staging.lock().unwrap().push((pinned, stream));

@@ -24,8 +24,51 @@ pub struct DevLinear {
     pub biases: u64,
 }
 
+/// The vector a matvec multiplies: x as stored, or a transform of it that the kernels apply where
+/// they read (stage) x, so the elementwise launch that would precede the matvec is not needed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum MatvecInput {
+    /// x.
+    Plain(u64),
+    /// silu(x * s) (the hyper-connection read: silu(W_down n / hc); `scale_silu` in ops.cu).
+    SiluScaled(u64, f32),
+    /// silu(a) * b (the shared expert: silu(gate) * up; `silu_mul` in ops.cu).
+    SiluMul(u64, u64),
+}
+
+impl MatvecInput {
+    /// The (first) input vector.
+    pub fn x(self) -> u64 {
+        match self {
+            MatvecInput::Plain(x) | MatvecInput::SiluScaled(x, _) | MatvecInput::SiluMul(x, _) => x,
+        }
+    }
+
+    /// The kernels' transform arguments (x2, xs, op): `op` is `MV_IN_PLAIN` (0), `MV_IN_SILU_SCALED`
+    /// (1) or `MV_IN_SILU_MUL` (2) of linear.cu.
+    fn args(self) -> [Arg; 3] {
+        match self {
+            MatvecInput::Plain(_) => [Arg::Ptr(0), Arg::F32(0.0), Arg::I32(0)],
+            MatvecInput::SiluScaled(_, s) => [Arg::Ptr(0), Arg::F32(s), Arg::I32(1)],
+            MatvecInput::SiluMul(_, b) => [Arg::Ptr(b), Arg::F32(0.0), Arg::I32(2)],
+        }
+    }
+}
+
 impl DevLinear {
     /// y = W x (x: cols floats, y: rows floats).
+    pub fn matvec(&self, gpu: &Gpu, x: u64, y: u64) -> Result<()> {
+        self.matvec_in(gpu, MatvecInput::Plain(x), y)
+    }
+
+    /// y = W in(x) for an input transform `in` ([`MatvecInput`]; its vectors are cols floats), applied
+    /// by every kernel as it reads x: the tiled kernels while they stage x (the column slices of a
+    /// split matvec stage their slice) and sum it per unit, the 2-, 4- and 8-bit kernels with rows
+    /// per block and `matvec_float` while they stage x, and the 3-, 5- and 6-bit kernel by staging
+    /// in(x) (padded, one float per 32) with rows per block instead of reading x from global
+    /// memory. Only where that padded copy would pass the staging limit (3, 5 and 6 bits, over
+    /// about 39700 inputs) is the transform an elementwise launch, in place (the input vector is then
+    /// overwritten with in(x)), before the plain matvec.
     ///
     /// 2-, 4- and 8-bit weights whose rows are whole 16-byte chunks (every shape of the model) use
     /// the tiled kernel of `linear.cu`: tiles of 4 rows, `L` lanes per tile (`rpb` = `MV_TILED | L`,
@@ -33,10 +76,11 @@ impl DevLinear {
     /// gives fewer blocks than multiprocessors (few rows, many columns) the columns are split across
     /// blocks instead ([`split_plan`], through `matvec_many_q*` with one part). Other precisions
     /// and shapes keep the kernels with rows per block (`rpb` = rows) or one warp per row.
-    pub fn matvec(&self, gpu: &Gpu, x: u64, y: u64) -> Result<()> {
+    pub fn matvec_in(&self, gpu: &Gpu, input: MatvecInput, y: u64) -> Result<()> {
         if self.cols * 4 > MAX_STAGED_X {
             bail!("a linear of {} inputs is wider than the kernels' staging limit", self.cols);
         }
+        let (x, [x2, xs, op]) = (input.x(), input.args());
         let args = |gs: usize, rpb: usize| {
             [
                 Arg::Ptr(self.data),
@@ -48,6 +92,9 @@ impl DevLinear {
                 Arg::I32(self.cols as i32),
                 Arg::I32(gs as i32),
                 Arg::I32(rpb as i32),
+                x2,
+                xs,
+                op,
             ]
         };
         let rpb = rows_per_block(self.rows, BLOCKS_WANTED);
@@ -63,7 +110,7 @@ impl DevLinear {
                         // Too few blocks to fill the GPU: split the columns (one-part matvec_many).
                         let split = split_plan(gpu, self.rows, self.cols, bits, group_size);
                         if split.slices > 1 {
-                            return launch_many(gpu, x, &[(self, y)], &[split]);
+                            return launch_many(gpu, input, &[(self, y)], &[split]);
                         }
                     }
                     let a = args(group_size, MV_TILED | plan.lanes);
@@ -71,8 +118,15 @@ impl DevLinear {
                 }
                 if matches!(bits, 2 | 4 | 8) {
                     gpu.launch(&name, (blocks(self.rows, rpb), 1, 1), 256, staged, &args(group_size, rpb))
-                } else {
+                } else if matches!(input, MatvecInput::Plain(_)) {
                     gpu.launch(&name, (blocks(self.rows * 32, 128), 1, 1), 128, 0, &args(group_size, rpb))
+                } else {
+                    // in(x) staged with one float of padding per 32 (matvec_affine_in).
+                    let padded = (self.cols + self.cols / 32) * 4;
+                    if padded > MAX_STAGED_X {
+                        return self.matvec_unfused(gpu, input, y);
+                    }
+                    gpu.launch(&name, (blocks(self.rows, rpb), 1, 1), 256, padded as u32, &args(group_size, rpb))
                 }
             }
             Precision::Float { dtype } => gpu.launch(
@@ -88,9 +142,32 @@ impl DevLinear {
                     Arg::I32(self.cols as i32),
                     Arg::I32(dtype_code(dtype)?),
                     Arg::I32(rpb as i32),
+                    x2,
+                    xs,
+                    op,
                 ],
             ),
         }
+    }
+
+    /// The transform as its elementwise kernel (in place into the input vector), then the plain
+    /// matvec: for the shapes whose kernels cannot stage in(x).
+    fn matvec_unfused(&self, gpu: &Gpu, input: MatvecInput, y: u64) -> Result<()> {
+        let n = self.cols;
+        match input {
+            MatvecInput::Plain(_) => {}
+            MatvecInput::SiluScaled(x, s) => gpu.launch(
+                "scale_silu",
+                (blocks(n, 256), 1, 1),
+                256,
+                0,
+                &[Arg::Ptr(x), Arg::I32(n as i32), Arg::F32(s)],
+            )?,
+            MatvecInput::SiluMul(a, b) => {
+                gpu.launch("silu_mul", (blocks(n, 256), 1, 1), 256, 0, &[Arg::Ptr(a), Arg::Ptr(b), Arg::I32(n as i32)])?
+            }
+        }
+        self.matvec(gpu, input.x(), y)
     }
 
     /// The embedding of the token at `step[0]` (device memory: the step inputs), written `copies` times
@@ -260,7 +337,7 @@ pub fn split_plan(gpu: &Gpu, rows: usize, cols: usize, bits: u32, gs: usize) -> 
 
 /// One launch of `matvec_many_q{bits}` for up to `MV_PARTS` matrices of one format and input
 /// (checked by the callers), with their split plans.
-fn launch_many(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)], plans: &[SplitPlan]) -> Result<()> {
+fn launch_many(gpu: &Gpu, input: MatvecInput, parts: &[(&DevLinear, u64)], plans: &[SplitPlan]) -> Result<()> {
     let Precision::Affine { bits, group_size } = parts[0].0.precision else {
         bail!("matvec_many takes affine matrices only");
     };
@@ -269,8 +346,16 @@ fn launch_many(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)], plans: &[SplitPla
     // One block size for the launch: blocks per slice follow from it.
     let threads = plans.iter().map(|p| p.plan.threads).max().unwrap_or(32);
     let (sms, min_blocks) = (sms(gpu), 2);
-    let mut args =
-        vec![Arg::Ptr(x), Arg::I32(cols as i32), Arg::I32(group_size as i32), Arg::Ptr(gpu.split_scratch.ptr)];
+    let [x2, xs, op] = input.args();
+    let mut args = vec![
+        Arg::Ptr(input.x()),
+        x2,
+        xs,
+        op,
+        Arg::I32(cols as i32),
+        Arg::I32(group_size as i32),
+        Arg::Ptr(gpu.split_scratch.ptr),
+    ];
     let (mut grid_x, mut shmem) = (1usize, 0usize);
     for i in 0..MV_PARTS {
         match parts.get(i) {
@@ -333,7 +418,7 @@ pub fn matvec_many(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)]) -> Result<()>
     for group in parts.chunks(MV_PARTS) {
         let plans: Vec<SplitPlan> =
             group.iter().map(|(l, _)| split_plan(gpu, l.rows, l.cols, bits, group_size)).collect();
-        launch_many(gpu, x, group, &plans)?;
+        launch_many(gpu, MatvecInput::Plain(x), group, &plans)?;
     }
     Ok(())
 }

@@ -16,29 +16,29 @@ extern "C" __global__ void gdn_conv(const float* x, float* state, const float* w
     out[ch] = siluf_(acc);
 }
 
-// L2-normalise each head of q and k in place (blocks 0..nk-1: q heads, nk..2nk-1: k heads); q is
-// also scaled by dk^-1/2. `qkv` is the conv output [q (nk*dk) | k (nk*dk) | v].
-extern "C" __global__ void gdn_qk_norm(float* qkv, int nk, int dk) {
-    __shared__ float scratch[32];
-    const int head = blockIdx.x;
-    float* h = qkv + (size_t)head * dk;
-    float ss = 0.0f;
-    for (int j = threadIdx.x; j < dk; j += blockDim.x) ss += h[j] * h[j];
-    ss = block_sum(ss, scratch);
-    float inv = rsqrtf(ss + 1e-6f);
-    if (head < nk) inv *= rsqrtf((float)dk);
-    for (int j = threadIdx.x; j < dk; j += blockDim.x) h[j] *= inv;
-}
-
-// Stages q and k of value head hv's key head into shared memory (sh[0..dk) and sh[dk..2 dk)) and
-// returns the head's v.
+// Stages q and k of value head hv's key head into shared memory (sh[0..dk) and sh[dk..2 dk)),
+// L2-normalised there (q also scaled by dk^-1/2; every value head of a key head does this for
+// itself, which is cheaper than a launch), and returns the head's v. `qkv` is the conv output
+// [q (nk*dk) | k (nk*dk) | v].
 __device__ __forceinline__ const float* gdn_stage_qk(const float* qkv, float* sh, int hv, int nk, int nv, int dk, int dv) {
+    __shared__ float scratch[32];
     const int hk = hv / (nv / nk);
     const float* q = qkv + (size_t)hk * dk;
     const float* k = qkv + (size_t)(nk + hk) * dk;
+    float sq = 0.0f, sk = 0.0f;
     for (int i = threadIdx.x; i < dk; i += blockDim.x) {
-        sh[i] = q[i];
-        sh[dk + i] = k[i];
+        const float a = q[i], b = k[i];
+        sh[i] = a;
+        sh[dk + i] = b;
+        sq += a * a;
+        sk += b * b;
+    }
+    sq = block_sum(sq, scratch);
+    sk = block_sum(sk, scratch);
+    const float iq = rsqrtf(sq + 1e-6f) * rsqrtf((float)dk), ik = rsqrtf(sk + 1e-6f);
+    for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+        sh[i] *= iq;
+        sh[dk + i] *= ik;
     }
     __syncthreads();
     return qkv + (size_t)2 * nk * dk + (size_t)hv * dv;

@@ -1,6 +1,49 @@
 // y = W x for packed weights, one warp per output row. Affine weights are read as stored (u32
 // words, bf16 scales and biases) and decoded in registers; no weight is ever expanded in memory.
 
+// ---- Input transforms, applied where x is read or staged (MatvecInput in weights.rs). ----
+//
+// Every matvec kernel takes (x2, xs, op) next to x and multiplies W by in(x) instead of x:
+// MV_IN_PLAIN: x; MV_IN_SILU_SCALED: silu(x * xs) (the hyper-connection read's silu(W_down n / hc),
+// the expression of scale_silu in ops.cu); MV_IN_SILU_MUL: silu(x) * x2 (the shared expert's
+// silu(gate) * up, the expression of silu_mul). The tiled kernels' per-unit sums are sums of in(x).
+#define MV_IN_PLAIN 0
+#define MV_IN_SILU_SCALED 1
+#define MV_IN_SILU_MUL 2
+
+struct MvIn {
+    const float* x2;  // MV_IN_SILU_MUL: the second input (indexed like x)
+    float s;          // MV_IN_SILU_SCALED: the scale
+    int op;
+};
+
+#define MV_IN_NONE (MvIn{nullptr, 0.0f, MV_IN_PLAIN})
+
+// in(x) for one element (v = x[j], v2 = x2[j], read only for MV_IN_SILU_MUL).
+__device__ __forceinline__ float mv_in(float v, float v2, const MvIn& in) {
+    return in.op == MV_IN_SILU_SCALED ? siluf_(v * in.s) : in.op == MV_IN_SILU_MUL ? siluf_(v) * v2 : v;
+}
+
+__device__ __forceinline__ float mv_in_at(const float* __restrict__ x, const MvIn& in, int j) {
+    return mv_in(x[j], in.op == MV_IN_SILU_MUL ? in.x2[j] : 0.0f, in);
+}
+
+// The transform of a column slice starting at input j0.
+__device__ __forceinline__ MvIn mv_in_offset(MvIn in, size_t j0) {
+    if (in.op == MV_IN_SILU_MUL) in.x2 += j0;
+    return in;
+}
+
+// Stages in(x) (n floats) into shared memory `sx` (all threads of the block take part).
+__device__ __forceinline__ void stage_x_in(const float* __restrict__ x, const MvIn& in, float* sx, int n) {
+    if (in.op == MV_IN_PLAIN) {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) sx[i] = x[i];
+    } else {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) sx[i] = mv_in_at(x, in, i);
+    }
+    __syncthreads();
+}
+
 template <int BITS>
 __device__ __forceinline__ void matvec_affine(const u32* __restrict__ W, const u16* __restrict__ S,
                                               const u16* __restrict__ B, const float* __restrict__ x,
@@ -12,6 +55,45 @@ __device__ __forceinline__ void matvec_affine(const u32* __restrict__ W, const u
     if ((threadIdx.x & 31) == 0) y[row] = v;
 }
 
+// Any width with a transformed input: in(x) is staged once per block (`rpb` rows per block), padded
+// by one float per 32 (x[j] at j + j / 32) so that the lanes of a warp, each reading its own chunk
+// of 32 inputs, hit distinct banks (dynamic shared memory: cols + cols / 32 floats). Otherwise
+// affine_row_dot (common.cuh).
+template <int BITS>
+__device__ __forceinline__ void matvec_affine_in(const u32* __restrict__ W, const u16* __restrict__ S,
+                                                 const u16* __restrict__ B, const float* __restrict__ x,
+                                                 const MvIn in, float* __restrict__ y, int rows, int cols, int gs,
+                                                 int rpb) {
+    extern __shared__ float mv_sxp[];
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) mv_sxp[i + (i >> 5)] = mv_in_at(x, in, i);
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int wpr = cols * BITS / 32, gpr = cols / gs, chunks = cols >> 5;
+    const int end = min(rows, (blockIdx.x + 1) * rpb);
+    for (int row = blockIdx.x * rpb + warp; row < end; row += warps) {
+        const u32* words = W + (size_t)row * wpr;
+        const u16* scales = S + (size_t)row * gpr;
+        const u16* biases = B + (size_t)row * gpr;
+        float acc = 0.0f;
+        for (int c = lane; c < chunks; c += 32) {
+            float q[32];
+            unpack32<BITS>(words + c * BITS, q);
+            const float* xc = mv_sxp + c * 33;
+            float sq = 0.0f, sxs = 0.0f;
+#pragma unroll
+            for (int k = 0; k < 32; k++) {
+                const float xv = xc[k];
+                sq += q[k] * xv;
+                sxs += xv;
+            }
+            const int g = (c * 32) / gs;
+            acc += bf16f(scales[g]) * sq + bf16f(biases[g]) * sxs;
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) y[row] = acc;
+    }
+}
+
 // Kernels that stage x take `rpb`, the rows a block covers: staging costs one pass over x per block,
 // so large matrices use many rows per block (the host picks enough blocks to fill the GPU, so small
 // matrices keep one row per warp).
@@ -20,9 +102,10 @@ __device__ __forceinline__ void matvec_affine(const u32* __restrict__ W, const u
 template <int BITS>
 __device__ __forceinline__ void matvec_affine_sx(const u32* __restrict__ W, const u16* __restrict__ S,
                                                  const u16* __restrict__ B, const float* __restrict__ x,
-                                                 float* __restrict__ y, int rows, int cols, int gs, int rpb) {
+                                                 const MvIn in, float* __restrict__ y, int rows, int cols, int gs,
+                                                 int rpb) {
     extern __shared__ float sx[];
-    stage_x(x, sx, cols);
+    stage_x_in(x, in, sx, cols);
     const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int wpr = cols * BITS / 32, gpr = cols / gs;
     const int end = min(rows, (blockIdx.x + 1) * rpb);
@@ -128,23 +211,32 @@ __device__ __forceinline__ float mv_word_dot(u32 w, const float4* xs, float acc)
     return acc;
 }
 
-// Stages x swizzled into sx4 and the unit sums into ssum (all threads of the block take part;
-// blockDim.x is a multiple of 32).
+// Float4 i of x (16-byte aligned or not).
+__device__ __forceinline__ float4 mv_ld4(const float* __restrict__ x, int i, bool aligned) {
+    if (aligned) return __ldg((const float4*)x + i);
+    return make_float4(__ldg(x + 4 * i), __ldg(x + 4 * i + 1), __ldg(x + 4 * i + 2), __ldg(x + 4 * i + 3));
+}
+
+// Stages in(x) swizzled into sx4 and the unit sums of in(x) into ssum (all threads of the block
+// take part; blockDim.x is a multiple of 32).
 template <int BITS>
-__device__ __forceinline__ void mv_stage(const float* __restrict__ x, float4* sx4, float* ssum, int cols) {
+__device__ __forceinline__ void mv_stage(const float* __restrict__ x, const MvIn& in, float4* sx4, float* ssum,
+                                         int cols) {
     typedef MvFmt<BITS> F;
     constexpr int G = F::UNIT / 4;  // float4 slots per unit: 4 or 8
     const int n4 = cols >> 2;
     const bool aligned = (((size_t)x) & 15) == 0;
+    const bool aligned2 = (((size_t)in.x2) & 15) == 0;
 #pragma unroll 4
     for (int base = 0; base < n4; base += blockDim.x) {
         const int i = base + threadIdx.x;
         float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (i < n4) {
-            if (aligned) {
-                v = __ldg((const float4*)x + i);
-            } else {
-                v = make_float4(__ldg(x + 4 * i), __ldg(x + 4 * i + 1), __ldg(x + 4 * i + 2), __ldg(x + 4 * i + 3));
+            v = mv_ld4(x, i, aligned);
+            if (in.op != MV_IN_PLAIN) {
+                float4 v2 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (in.op == MV_IN_SILU_MUL) v2 = mv_ld4(in.x2, i, aligned2);
+                v = make_float4(mv_in(v.x, v2.x, in), mv_in(v.y, v2.y, in), mv_in(v.z, v2.z, in), mv_in(v.w, v2.w, in));
             }
         }
         float s = (v.x + v.y) + (v.z + v.w);
@@ -195,11 +287,13 @@ __device__ __forceinline__ void mv_load(const MvMat& a, const MvMat& bm, int til
 }
 
 // The tiled core: the tiles of one matrix (or gate/up pair) over the Cs chunks of a column slice,
-// x being that slice's inputs. `blk` of `nblk` blocks share the tiles (grid stride). Each finished
-// tile calls emit(tile, v) once, from one thread, with the tile's 4 sums.
+// x being that slice's inputs (transformed by `in`, whose x2 is offset like x). `blk` of `nblk`
+// blocks share the tiles (grid stride). Each finished tile calls emit(tile, v) once, from one
+// thread, with the tile's 4 sums.
 template <int BITS, int MODE, class Emit>
-__device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const float* __restrict__ x, int rows, int C,
-                                        int Cs, int gpr, int gshift, int L, int blk, int nblk, Emit emit) {
+__device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const float* __restrict__ x, const MvIn in,
+                                        int rows, int C, int Cs, int gpr, int gshift, int L, int blk, int nblk,
+                                        Emit emit) {
     typedef MvFmt<BITS> F;
     extern __shared__ float4 mv_smem[];
     __shared__ float red[32][MV_R];
@@ -235,7 +329,7 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
         const int tile = pass * tpu + sub, c = lt;
         mv_load<BITS, MODE>(a, bm, tile, c, more && tile < ntiles && c < Cs, rows, C, gpr, gshift, wc, sbc);
     }
-    mv_stage<BITS>(x, sx4, ssum, cols);
+    mv_stage<BITS>(x, in, sx4, ssum, cols);
 
     float tot[MV_R];
 #pragma unroll
@@ -329,16 +423,17 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
 template <int BITS>
 __device__ __forceinline__ void matvec_tiled(const u32* __restrict__ W, const u16* __restrict__ S,
                                              const u16* __restrict__ B, const float* __restrict__ x,
-                                             float* __restrict__ y, int rows, int cols, int gs, int L) {
+                                             const MvIn in, float* __restrict__ y, int rows, int cols, int gs, int L) {
     typedef MvFmt<BITS> F;
     const int C = cols / F::CPC, gpr = cols / gs, gshift = __ffs(gs) - 1;
     const MvMat a{(const uint4*)W, S, B};
-    mv_core<BITS, MV_PLAIN>(a, a, x, rows, C, C, gpr, gshift, L, blockIdx.x, gridDim.x, [&](int tile, const float* v) {
+    mv_core<BITS, MV_PLAIN>(a, a, x, in, rows, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,
+                            [&](int tile, const float* v) {
 #pragma unroll
-        for (int i = 0; i < MV_R; i++) {
-            if (tile * MV_R + i < rows) y[tile * MV_R + i] = v[i];
-        }
-    });
+                                for (int i = 0; i < MV_R; i++) {
+                                    if (tile * MV_R + i < rows) y[tile * MV_R + i] = v[i];
+                                }
+                            });
 }
 
 // ---- Several matrices of one input in one launch, columns optionally split across blocks. ----
@@ -355,7 +450,8 @@ __device__ __forceinline__ void matvec_tiled(const u32* __restrict__ W, const u1
 #define MV_PART_FLOATS 16384     // partial sums per part (r_p k_p at most)
 
 template <int BITS>
-__device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, int cols, int gs, float* scratch,
+__device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, const MvIn in, int cols, int gs,
+                                                 float* scratch,
                                                  const u32* W, const u16* S, const u16* B, float* y, int rows, int L,
                                                  int nb, int ks) {
     typedef MvFmt<BITS> F;
@@ -367,7 +463,8 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, in
     const MvMat a{(const uint4*)W + c0, S + g0, B + g0};
     float* part = scratch + MV_SCRATCH_HEAD + (size_t)p * MV_PART_FLOATS;
     float* dst = ks == 1 ? y : part + (size_t)slice * rows;
-    mv_core<BITS, MV_PLAIN>(a, a, x + (size_t)c0 * F::CPC, rows, C, Cs, gpr, gshift, L, blk, nb,
+    const size_t j0 = (size_t)c0 * F::CPC;
+    mv_core<BITS, MV_PLAIN>(a, a, x + j0, mv_in_offset(in, j0), rows, C, Cs, gpr, gshift, L, blk, nb,
                             [&](int tile, const float* v) {
 #pragma unroll
                                 for (int i = 0; i < MV_R; i++) {
@@ -399,19 +496,28 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, in
 #define MV_PART_ARGS(i) \
     const u32 *W##i, const u16 *S##i, const u16 *Bi##i, float *y##i, int r##i, int l##i, int n##i, int k##i
 #define MV_SEL(v) (p == 0 ? v##0 : p == 1 ? v##1 : p == 2 ? v##2 : v##3)
+// (x2, xs, op): the input transform (MV_IN_*), applied to every part's x.
 #define MATVEC_MANY(NB, MINB)                                                                                  \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                   \
-        matvec_many_q##NB(const float* x, int cols, int gs, float* scratch, MV_PART_ARGS(0), MV_PART_ARGS(1),  \
-                          MV_PART_ARGS(2), MV_PART_ARGS(3)) {                                                  \
+        matvec_many_q##NB(const float* x, const float* x2, float xs, int op, int cols, int gs, float* scratch, \
+                          MV_PART_ARGS(0), MV_PART_ARGS(1), MV_PART_ARGS(2), MV_PART_ARGS(3)) {                \
         const int p = blockIdx.y;                                                                              \
-        matvec_many_part<NB>(x, cols, gs, scratch, MV_SEL(W), MV_SEL(S), MV_SEL(Bi), MV_SEL(y), MV_SEL(r),     \
-                             MV_SEL(l), MV_SEL(n), MV_SEL(k));                                                 \
+        matvec_many_part<NB>(x, MvIn{x2, xs, op}, cols, gs, scratch, MV_SEL(W), MV_SEL(S), MV_SEL(Bi),         \
+                             MV_SEL(y), MV_SEL(r), MV_SEL(l), MV_SEL(n), MV_SEL(k));                           \
     }
 
+// Every matvec_q* kernel ends with (x2, xs, op): the input transform (MV_IN_*).
+// 3, 5 and 6 bits: one warp per row reading x from global memory (rpb unused) when op is
+// MV_IN_PLAIN, else matvec_affine_in with rpb rows per block.
 #define MATVEC_AFFINE(B)                                                                                       \
     extern "C" __global__ void matvec_q##B(const u32* W, const u16* S, const u16* Bi, const float* x, float* y, \
-                                           int rows, int cols, int gs, int rpb) {                              \
-        matvec_affine<B>(W, S, Bi, x, y, rows, cols, gs);                                                      \
+                                           int rows, int cols, int gs, int rpb, const float* x2, float xs,      \
+                                           int op) {                                                           \
+        if (op == MV_IN_PLAIN) {                                                                               \
+            matvec_affine<B>(W, S, Bi, x, y, rows, cols, gs);                                                  \
+        } else {                                                                                               \
+            matvec_affine_in<B>(W, S, Bi, x, MvIn{x2, xs, op}, y, rows, cols, gs, rpb);                        \
+        }                                                                                                      \
     }
 // rpb = MV_TILED | L: the tiled kernel with L lanes per tile (DevLinear::matvec picks it whenever it
 // applies); otherwise rpb is rows per block of the one-warp-per-row kernel (fallback for rows that
@@ -421,11 +527,12 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, in
 #define MATVEC_AFFINE_TILED(B, MINB)                                                                           \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                   \
         matvec_q##B(const u32* W, const u16* S, const u16* Bi, const float* x, float* y, int rows, int cols,   \
-                    int gs, int rpb) {                                                                         \
+                    int gs, int rpb, const float* x2, float xs, int op) {                                      \
+        const MvIn in{x2, xs, op};                                                                             \
         if (rpb & MV_TILED) {                                                                                  \
-            matvec_tiled<B>(W, S, Bi, x, y, rows, cols, gs, rpb & (MV_TILED - 1));                             \
+            matvec_tiled<B>(W, S, Bi, x, in, y, rows, cols, gs, rpb & (MV_TILED - 1));                         \
         } else {                                                                                               \
-            matvec_affine_sx<B>(W, S, Bi, x, y, rows, cols, gs, rpb);                                          \
+            matvec_affine_sx<B>(W, S, Bi, x, in, y, rows, cols, gs, rpb);                                      \
         }                                                                                                      \
     }
 MATVEC_AFFINE_TILED(2, 2)
@@ -456,10 +563,11 @@ __device__ __forceinline__ void matvec_float_row_impl(const void* W, const float
 }
 
 // Floating weights (narrow linears, unquantized checkpoints): dtype 0 = bf16, 1 = f16, 2 = f32.
+// (x2, xs, op): the input transform (MV_IN_*), applied while x is staged.
 extern "C" __global__ void matvec_float(const void* W, const float* x_global, float* y, int rows, int cols, int dtype,
-                                        int rpb) {
+                                        int rpb, const float* x2, float xs, int op) {
     extern __shared__ float sx[];
-    stage_x(x_global, sx, cols);
+    stage_x_in(x_global, MvIn{x2, xs, op}, sx, cols);
     const float* x = sx;
     const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int end = min(rows, (blockIdx.x + 1) * rpb);

@@ -227,12 +227,13 @@ __device__ __forceinline__ void expert_gate_up_tiled(const u64* table, int first
     const MvMat g{(const uint4*)(rec + g_w), (const u16*)(rec + g_s), (const u16*)(rec + g_b)};
     const MvMat u{(const uint4*)(rec + u_w), (const u16*)(rec + u_s), (const u16*)(rec + u_b)};
     float* y = act + (size_t)e * I;
-    mv_core<BITS, MV_GATE_UP>(g, u, x, I, C, C, gpr, gshift, L, blockIdx.x, gridDim.x, [&](int tile, const float* v) {
+    mv_core<BITS, MV_GATE_UP>(g, u, x, MV_IN_NONE, I, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,
+                              [&](int tile, const float* v) {
 #pragma unroll
-        for (int j = 0; j < 2; j++) {
-            if (tile * 2 + j < I) y[tile * 2 + j] = siluf_(v[j]) * v[j + 2];
-        }
-    });
+                                  for (int j = 0; j < 2; j++) {
+                                      if (tile * 2 + j < I) y[tile * 2 + j] = siluf_(v[j]) * v[j + 2];
+                                  }
+                              });
 }
 
 template <int BITS>
@@ -244,7 +245,7 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
     const int C = I / F::CPC, gpr = I / gs, gshift = __ffs(gs) - 1;
     const MvMat d{(const uint4*)(rec + d_w), (const u16*)(rec + d_s), (const u16*)(rec + d_b)};
     float* y = out + (size_t)e * H;
-    mv_core<BITS, MV_PLAIN>(d, d, act + (size_t)e * I, H, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,
+    mv_core<BITS, MV_PLAIN>(d, d, act + (size_t)e * I, MV_IN_NONE, H, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,
                             [&](int tile, const float* v) {
 #pragma unroll
                                 for (int i = 0; i < MV_R; i++) {
@@ -292,14 +293,18 @@ EXPERT_KERNELS(6)
 EXPERT_KERNELS_TILED(8, 3)
 
 // MoE output for one row: y[j] = sum over its top-k ranks r of w[r] * out[entry[r], j] (in rank order,
-// like the CPU) + sigmoid(shared_gate) * shared[j].
+// like the CPU) + sigmoid(shared_gate) * shared[j]. With `x` (may be null) it also injects y into
+// the hc residual streams, as hc_inject does: x[s*H+j] += 2 sigmoid(inj[s] / hc) * y[j].
 extern "C" __global__ void moe_combine(const float* out, const int* entry, const float* w, int k, const float* shared,
-                                       const float* shared_gate, float* y, int H) {
+                                       const float* shared_gate, float* y, int H, float* x, const float* inj, int hc) {
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= H) return;
     float acc = 0.0f;
     for (int r = 0; r < k; r++) acc += w[r] * out[(size_t)entry[r] * H + j];
-    y[j] = acc + sigmoidf_(shared_gate[0]) * shared[j];
+    const float v = acc + sigmoidf_(shared_gate[0]) * shared[j];
+    y[j] = v;
+    if (x)
+        for (int s = 0; s < hc; s++) x[(size_t)s * H + j] += 2.0f * sigmoidf_(inj[s] / (float)hc) * v;
 }
 
 // Sampling support: the k largest logits (k <= 1024) of one row, in descending order (ties to the
