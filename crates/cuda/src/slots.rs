@@ -39,15 +39,17 @@ pub struct DeviceSlots {
     /// Staging buffers and copy streams, one pair per concurrent load.
     staging: Mutex<Vec<(Pinned, sys::CUstream)>>,
     /// Where load time goes (see [`LoadSplit`]).
-    split: [AtomicU64; 4],
+    split: [AtomicU64; 5],
 }
 
 /// Where the loads' time went, summed over loads (ns): reading the pieces into pinned memory,
-/// queueing the copy, checking the sum (while the copy runs), and waiting for the copy after that.
+/// queueing the copy (the driver call), checking the sum (while the copy runs), and waiting for the
+/// copy after that.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LoadSplit {
     pub loads: u64,
     pub read_ns: u64,
+    pub queue_ns: u64,
     pub verify_ns: u64,
     pub copy_wait_ns: u64,
 }
@@ -72,7 +74,7 @@ impl DeviceSlots {
     /// Where the loads' time went so far.
     pub fn load_split(&self) -> LoadSplit {
         let g = |i: usize| self.split[i].load(Ordering::Relaxed);
-        LoadSplit { loads: g(0), read_ns: g(1), verify_ns: g(2), copy_wait_ns: g(3) }
+        LoadSplit { loads: g(0), read_ns: g(1), queue_ns: g(4), verify_ns: g(2), copy_wait_ns: g(3) }
     }
 
     /// Zeroes [`DeviceSlots::load_split`].
@@ -135,6 +137,7 @@ impl SlotMemory for DeviceSlots {
                     cu::memcpy_htod_async(self.slot_ptr(slot), &*host, stream)
                         .map_err(|e| anyhow!("copy of an expert record to the GPU failed: {e}"))?;
                 }
+                let queued = Instant::now();
                 let verified = record.verify(host);
                 let t2 = Instant::now();
                 // SAFETY: the stream belongs to this context.
@@ -143,7 +146,8 @@ impl SlotMemory for DeviceSlots {
                 let ns = |a: Instant, b: Instant| b.duration_since(a).as_nanos() as u64;
                 self.split[0].fetch_add(1, Ordering::Relaxed);
                 self.split[1].fetch_add(ns(t0, t1), Ordering::Relaxed);
-                self.split[2].fetch_add(ns(t1, t2), Ordering::Relaxed);
+                self.split[4].fetch_add(ns(t1, queued), Ordering::Relaxed);
+                self.split[2].fetch_add(ns(queued, t2), Ordering::Relaxed);
                 self.split[3].fetch_add(ns(t2, Instant::now()), Ordering::Relaxed);
                 verified
             });
