@@ -11,7 +11,8 @@
 //!    nothing was written to the store since, and it is trusted without reading it.
 //! 3. Otherwise the small files that are read whole at start are re-hashed: `dense.bin` (it is
 //!    read in full for inference anyway, so the hash costs one sequential read that warms the page
-//!    cache), the expert sums file (which anchors every expert record's checksum to the manifest),
+//!    cache), the expert sums files (record and piece sums: they anchor every expert record's
+//!    checksums to the manifest),
 //!    the tokenizer and config files. The experts file and `ngram.bin`, the bulk of the store,
 //!    are not read: every expert record is checked against its sum whenever it is read, and
 //!    n-gram rows only by `inspect --verify`.

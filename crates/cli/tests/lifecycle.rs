@@ -181,7 +181,7 @@ fn damaged_stores_are_reported_refused_and_repacked() {
     std::fs::write(&dense, std::fs::read(&dense).unwrap()).unwrap();
     let out = home.ok(&["inspect", "x"]);
     assert!(
-        out.contains("integrity   ok by the quick check: 7 file(s)")
+        out.contains("integrity   ok by the quick check: 8 file(s)")
             && out.contains("files changed since the full check of"),
         "{out}"
     );

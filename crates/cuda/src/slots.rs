@@ -1,10 +1,11 @@
 //! Device expert slots: the residency manager's [`SlotMemory`] in GPU memory.
 //!
 //! One device allocation of `slots x record_bytes`. An IO thread reads a record into a pinned host
-//! staging buffer (positioned reads of its pieces in parallel on the rayon pool), copies it into its
-//! slot on its own stream while checking the store's checksum, and waits for the copy before it
-//! reports the slot loaded; the pool never loads a slot that a step is using, so kernels never see
-//! a half-written record.
+//! staging buffer (positioned reads of its pieces in parallel on the rayon pool, each piece checked
+//! against its own checksum when the store has them, else the whole record checked while the copy
+//! runs), copies it into its slot on its own stream, and waits for the copy before it reports the
+//! slot loaded; the pool never loads a slot that a step is using, so kernels never see a
+//! half-written record.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -124,12 +125,18 @@ impl SlotMemory for DeviceSlots {
         // one thread does at a fraction of the host's bandwidth); the copy to the GPU starts when
         // all are in, and the checksum is computed while it runs. The slot is reported loaded only
         // after both, so a corrupted record never counts as loaded.
-        let piece = self.record_bytes.div_ceil(READ_PIECES).next_multiple_of(4096);
+        // With piece checksums each piece is checked as it is read, in parallel, and nothing is
+        // left to check after the copy is queued.
+        let checked = record.piece_bytes();
+        let piece = checked.unwrap_or_else(|| self.record_bytes.div_ceil(READ_PIECES).next_multiple_of(4096));
         let t0 = Instant::now();
         let result = host
             .par_chunks_mut(piece)
             .enumerate()
-            .try_for_each(|(i, chunk)| record.read_range(i * piece, chunk))
+            .try_for_each(|(i, chunk)| match checked {
+                Some(_) => record.read_piece(i, chunk),
+                None => record.read_range(i * piece, chunk),
+            })
             .and_then(|()| {
                 let t1 = Instant::now();
                 // SAFETY: the slot holds record_bytes; the copy is waited for before returning.
@@ -138,7 +145,7 @@ impl SlotMemory for DeviceSlots {
                         .map_err(|e| anyhow!("copy of an expert record to the GPU failed: {e}"))?;
                 }
                 let queued = Instant::now();
-                let verified = record.verify(host);
+                let verified = if checked.is_some() { Ok(()) } else { record.verify(host) };
                 let t2 = Instant::now();
                 // SAFETY: the stream belongs to this context.
                 unsafe { cu::stream::synchronize(stream) }

@@ -99,6 +99,17 @@ pub trait RecordSource: Sync {
         self.read_range(0, buf)?;
         self.verify(buf)
     }
+    /// Bytes per separately checked piece, when the record has piece checksums (the last piece
+    /// may be shorter); None: only the whole record can be checked.
+    fn piece_bytes(&self) -> Option<usize> {
+        None
+    }
+    /// Reads piece `i` (of [`RecordSource::piece_bytes`]) into `buf` and checks it; every piece
+    /// checked is the whole record checked.
+    fn read_piece(&self, i: usize, buf: &mut [u8]) -> Result<()> {
+        let _ = (i, buf);
+        bail!("this record has no piece checksums")
+    }
 }
 
 /// A record of the pool's store.
@@ -114,6 +125,12 @@ impl RecordSource for StoreRecord<'_> {
     }
     fn verify(&self, record: &[u8]) -> Result<()> {
         self.store.verify_expert(self.layer, self.expert, record)
+    }
+    fn piece_bytes(&self) -> Option<usize> {
+        self.store.expert_piece_bytes()
+    }
+    fn read_piece(&self, i: usize, buf: &mut [u8]) -> Result<()> {
+        self.store.read_expert_piece(self.layer, self.expert, i, buf)
     }
 }
 

@@ -23,7 +23,8 @@ fn same_binaries(a: &Store, b: &Store) {
     assert_eq!(ma.tensors, mb.tensors, "tensor tables differ");
     assert_eq!(ma.experts, mb.experts, "expert layouts differ");
     assert_eq!(ma.ngram, mb.ngram, "n-gram tables differ");
-    for f in ["dense.bin", &ma.experts.file, &ma.experts.sums_file, "ngram.bin"] {
+    let psums = &ma.experts.piece_sums.as_ref().expect("packed with piece sums").file;
+    for f in ["dense.bin", &ma.experts.file, &ma.experts.sums_file, psums, "ngram.bin"] {
         let x = std::fs::read(a.dir.join(f)).unwrap();
         let y = std::fs::read(b.dir.join(f)).unwrap();
         assert!(x == y, "{f} differs between {} and {}", a.dir.display(), b.dir.display());
@@ -157,4 +158,51 @@ fn tiny_b_twins_and_mixed_bits() {
     assert_eq!(prec("embed_tokens.weight"), Precision::Affine { bits: 5, group_size: 32 });
     assert_eq!(prec("layers.0.mlp.shared_expert.up_proj.weight"), Precision::Affine { bits: 2, group_size: 32 });
     assert_eq!(prec("layers.0.mlp.gate.weight"), Precision::Affine { bits: 8, group_size: 64 });
+}
+
+/// Piece checksums: every piece reads back and checks; a flipped byte fails its piece (named) and
+/// the whole record, not the other pieces; a store whose manifest predates piece sums still opens
+/// and checks whole records.
+#[test]
+fn piece_checksums_catch_a_flipped_byte_and_old_manifests_still_open() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = packed(&golden("tiny-a/mlx4"), &tmp.path().join("s"));
+    let ef = &store.manifest.experts;
+    let piece = store.expert_piece_bytes().expect("piece sums");
+    let rb = ef.record_bytes as usize;
+    let pieces = rb.div_ceil(piece);
+    assert!(pieces >= 2, "records of {rb} bytes in pieces of {piece}");
+    let (layer, expert) = (1, 2);
+    let mut whole = vec![0u8; rb];
+    store.read_expert(layer, expert, &mut whole).unwrap();
+    for i in 0..pieces {
+        let mut buf = vec![0u8; piece.min(rb - i * piece)];
+        store.read_expert_piece(layer, expert, i, &mut buf).unwrap();
+        assert_eq!(buf, whole[i * piece..i * piece + buf.len()]);
+    }
+
+    // Flip one byte in the last piece of record (layer, expert).
+    let dir = tmp.path().join("s");
+    let path = dir.join(&ef.file);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = ef.record_index(layer, expert) as usize * rb + (pieces - 1) * piece + 5;
+    bytes[at] ^= 0x5a;
+    std::fs::write(&path, bytes).unwrap();
+    let bad = Store::open(&dir).unwrap();
+    let mut buf = vec![0u8; piece.min(rb - (pieces - 1) * piece)];
+    let e = format!("{:#}", bad.read_expert_piece(layer, expert, pieces - 1, &mut buf).unwrap_err());
+    assert!(e.contains("corrupted expert record") && e.contains(&format!("piece {}", pieces - 1)), "{e}");
+    let mut first = vec![0u8; piece];
+    bad.read_expert_piece(layer, expert, 0, &mut first).unwrap();
+    assert!(bad.read_expert(layer, expert, &mut whole).is_err());
+
+    // A manifest written before piece sums existed.
+    let mpath = dir.join("manifest.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
+    m["experts"].as_object_mut().unwrap().remove("piece_sums").expect("the field is written");
+    std::fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+    let old = Store::open(&dir).unwrap();
+    assert_eq!(old.expert_piece_bytes(), None);
+    assert!(old.read_expert_piece(0, 0, 0, &mut first).is_err());
+    old.read_expert(0, 0, &mut whole).unwrap();
 }

@@ -11,6 +11,9 @@
 //!   then the MTP layers.
 //! - `experts-<tag>.sums`: the xxh3-64 of every record, little-endian u64 in record order; readers
 //!   check a record against it after every read.
+//! - `experts-<tag>.psums` (optional; stores packed before it lack it): the xxh3-64 of every piece
+//!   of every record (pieces of `piece_bytes`, the last one shorter), record-major, so a reader can
+//!   read and check a record's pieces in parallel.
 //! - `ngram.bin`: per PLE layer a table of rows, row-major; an affine row is words | scales | biases
 //!   of that row, so one row is one contiguous slice.
 //! - tokenizer and chat-template files copied from the checkpoint.
@@ -140,10 +143,35 @@ impl ExpertLayout {
     }
 }
 
+/// Pieces a record is read and checked in, in parallel.
+pub const RECORD_PIECES: u64 = 4;
+
+/// Per-piece checksums of the expert records.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PieceSums {
+    pub file: String,
+    /// Bytes per piece (a multiple of 4 KiB); the last piece of a record may be shorter.
+    pub piece_bytes: u64,
+}
+
+impl PieceSums {
+    /// The piece size for records of `record_bytes`.
+    pub fn piece_bytes_for(record_bytes: u64) -> u64 {
+        record_bytes.div_ceil(RECORD_PIECES).next_multiple_of(RECORD_ALIGN)
+    }
+
+    /// Pieces per record.
+    pub fn pieces(&self, record_bytes: u64) -> usize {
+        record_bytes.div_ceil(self.piece_bytes) as usize
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ExpertFile {
     pub file: String,
     pub sums_file: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub piece_sums: Option<PieceSums>,
     pub record_bytes: u64,
     pub num_experts: usize,
     /// One layout per MoE layer slot (trunk layers, then MTP layers).

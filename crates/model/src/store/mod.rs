@@ -22,6 +22,8 @@ pub struct Store {
     dense: Mmap,
     experts: File,
     sums: Vec<u64>,
+    /// Per-piece sums, record-major (empty for stores packed without them).
+    piece_sums: Vec<u64>,
     ngram: Option<File>,
     index: HashMap<String, usize>,
 }
@@ -109,6 +111,26 @@ impl Store {
                 manifest.experts.records()
             );
         }
+        let ef = &manifest.experts;
+        let piece_sums = match &ef.piece_sums {
+            Some(ps) => {
+                let bytes = std::fs::read(dir.join(&ps.file))
+                    .with_context(|| format!("cannot read {}/{}", dir.display(), ps.file))?;
+                let v: Vec<u64> = bytes.chunks_exact(8).map(|b| u64::from_le_bytes(b.try_into().unwrap())).collect();
+                let want = ef.records() * ps.pieces(ef.record_bytes) as u64;
+                if ps.piece_bytes == 0 || ps.piece_bytes % RECORD_ALIGN != 0 || v.len() as u64 != want {
+                    bail!(
+                        "store {}: {} holds {} piece sums of {} bytes, expected {want}",
+                        dir.display(),
+                        ps.file,
+                        v.len(),
+                        ps.piece_bytes
+                    );
+                }
+                v
+            }
+            None => Vec::new(),
+        };
         let ngram = match &manifest.ngram {
             Some(n) => Some(
                 File::open(dir.join(&n.file)).with_context(|| format!("cannot open {}/{}", dir.display(), n.file))?,
@@ -123,7 +145,7 @@ impl Store {
                 }
             }
         }
-        Ok(Store { dir: dir.to_path_buf(), manifest, dense, experts, sums, ngram, index })
+        Ok(Store { dir: dir.to_path_buf(), manifest, dense, experts, sums, piece_sums, ngram, index })
     }
 
     pub fn config(&self) -> &crate::config::TextConfig {
@@ -183,6 +205,41 @@ impl Store {
         self.experts
             .read_exact_at(buf, idx * ef.record_bytes + offset as u64)
             .with_context(|| format!("read of expert record {idx} from {}/{} failed", self.dir.display(), ef.file))
+    }
+
+    /// Bytes per separately checked piece of a record, when the store has piece sums.
+    pub fn expert_piece_bytes(&self) -> Option<usize> {
+        let ps = self.manifest.experts.piece_sums.as_ref()?;
+        (!self.piece_sums.is_empty()).then_some(ps.piece_bytes as usize)
+    }
+
+    /// Reads piece `piece` of the record of (MoE slot, expert) into `buf` (the piece's length) and
+    /// checks it against its piece sum. Pieces of one record may be read in parallel; all of them
+    /// checked is the whole record checked.
+    pub fn read_expert_piece(&self, slot: usize, expert: usize, piece: usize, buf: &mut [u8]) -> Result<()> {
+        let ef = &self.manifest.experts;
+        let ps = ef.piece_sums.as_ref().filter(|_| !self.piece_sums.is_empty());
+        let ps = ps.with_context(|| format!("store {} has no per-piece checksums", self.dir.display()))?;
+        let pieces = ps.pieces(ef.record_bytes);
+        let start = piece * ps.piece_bytes as usize;
+        let end = (start + ps.piece_bytes as usize).min(ef.record_bytes as usize);
+        if piece >= pieces || buf.len() != end - start {
+            bail!("piece {piece} ({} bytes) does not fit records of {pieces} pieces", buf.len());
+        }
+        self.read_expert_range(slot, expert, start, buf)?;
+        let idx = ef.record_index(slot, expert);
+        let want = self.piece_sums[idx as usize * pieces + piece];
+        let got = twox_hash::XxHash3_64::oneshot(buf);
+        if got != want {
+            bail!(
+                "corrupted expert record: layer {} expert {expert} (record {idx} of {}/{}) piece {piece} has checksum \
+                 {got:016x}, expected {want:016x}; the store is damaged, prepare it again",
+                ef.layers[slot].layer,
+                self.dir.display(),
+                ef.file
+            );
+        }
+        Ok(())
     }
 
     /// Checks a whole record of (MoE slot, expert) against the store's checksum.

@@ -277,15 +277,18 @@ pub fn pack(ck: &Checkpoint, out: &Path, progress: &ProgressBar) -> Result<Manif
     progress.set_message("experts");
     let experts_name = format!("experts-{tag}.bin");
     let sums_name = format!("experts-{tag}.sums");
+    let psums_name = format!("experts-{tag}.psums");
+    let piece_bytes = PieceSums::piece_bytes_for(record_bytes);
     let ef = File::create(out.join(&experts_name)).with_context(|| format!("cannot create {experts_name}"))?;
     let n_records = (moe_layers.len() * c.num_experts) as u64;
     ef.set_len(n_records * record_bytes).with_context(|| format!("cannot size {experts_name}"))?;
     let mut sums = vec![0u64; n_records as usize];
+    let mut psums = Vec::new();
     for (slot, layer) in moe_layers.iter().enumerate() {
         let layout = &layouts[slot];
-        let layer_sums: Vec<u64> = (0..c.num_experts)
+        let layer_sums: Vec<(u64, Vec<u64>)> = (0..c.num_experts)
             .into_par_iter()
-            .map(|e| -> Result<u64> {
+            .map(|e| -> Result<(u64, Vec<u64>)> {
                 let mut rec = vec![0u8; record_bytes as usize];
                 for (which, rm) in layout.matrices().into_iter().enumerate() {
                     let m = ck.expert(layer, e, which)?;
@@ -300,10 +303,13 @@ pub fn pack(ck: &Checkpoint, out: &Path, progress: &ProgressBar) -> Result<Manif
                 }
                 let idx = (slot * c.num_experts + e) as u64;
                 ef.write_all_at(&rec, idx * record_bytes).with_context(|| format!("write to {experts_name} failed"))?;
-                Ok(xxh3_64(&rec))
+                Ok((xxh3_64(&rec), record_piece_sums(&rec, piece_bytes)))
             })
             .collect::<Result<_>>()?;
-        sums[slot * c.num_experts..(slot + 1) * c.num_experts].copy_from_slice(&layer_sums);
+        for (e, (sum, pieces)) in layer_sums.into_iter().enumerate() {
+            sums[slot * c.num_experts + e] = sum;
+            psums.extend(pieces);
+        }
     }
     ef.sync_all().with_context(|| format!("fsync of {experts_name} failed"))?;
     // The experts file's checksum is the hash of its record sums (each record is checked on read).
@@ -315,6 +321,9 @@ pub fn pack(ck: &Checkpoint, out: &Path, progress: &ProgressBar) -> Result<Manif
     let mut sw = HashingWriter::create(&out.join(&sums_name))?;
     sw.write(&sums_bytes)?;
     files.insert(sums_name.clone(), sw.finish()?);
+    let mut pw = HashingWriter::create(&out.join(&psums_name))?;
+    pw.write(&psums.iter().flat_map(|s| s.to_le_bytes()).collect::<Vec<u8>>())?;
+    files.insert(psums_name.clone(), pw.finish()?);
 
     // ---- ngram.bin ---------------------------------------------------------------------------
     let ngram = if ngram_plan.is_empty() {
@@ -392,6 +401,7 @@ pub fn pack(ck: &Checkpoint, out: &Path, progress: &ProgressBar) -> Result<Manif
         experts: ExpertFile {
             file: experts_name,
             sums_file: sums_name,
+            piece_sums: Some(PieceSums { file: psums_name, piece_bytes }),
             record_bytes,
             num_experts: ck.text().num_experts,
             layers: layouts,
@@ -405,4 +415,9 @@ pub fn pack(ck: &Checkpoint, out: &Path, progress: &ProgressBar) -> Result<Manif
     File::open(&mp).and_then(|f| f.sync_all()).ok();
     progress.finish_with_message("packed");
     Ok(manifest)
+}
+
+/// The xxh3-64 of each `piece_bytes` piece of a record (the last one may be shorter).
+pub fn record_piece_sums(record: &[u8], piece_bytes: u64) -> Vec<u64> {
+    record.chunks(piece_bytes as usize).map(xxh3_64).collect()
 }

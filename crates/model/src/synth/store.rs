@@ -23,7 +23,7 @@ use crate::config::ModelConfig;
 use crate::dtype::DType;
 use crate::quant::{quantize_matrix, u16s_to_le_bytes, u32s_to_le_bytes};
 use crate::store::manifest::*;
-use crate::store::pack::{HashingWriter, expert_layouts, experts_tag};
+use crate::store::pack::{HashingWriter, expert_layouts, experts_tag, record_piece_sums};
 
 /// Elements `[a, b)` of a planned tensor as little-endian bytes of its dtype.
 fn elements(t: &Planned, seed: u64, a: usize, b: usize) -> Vec<u8> {
@@ -132,13 +132,15 @@ pub fn write_store(shape: &SynthShape, opts: &SynthOptions, dir: &Path, progress
     ef.set_len(n_records * record_bytes)?;
     let (inter, h) = (c.moe_intermediate_size, c.hidden_size);
     let mut sums = Vec::with_capacity(n_records as usize);
+    let mut psums: Vec<u64> = Vec::new();
+    let piece_bytes = PieceSums::piece_bytes_for(record_bytes);
     for (slot, layer) in moe.iter().enumerate() {
         let gu = find(&hf(&format!("{}.mlp.experts.gate_up_proj", layer.prefix)))?;
         let dn = find(&hf(&format!("{}.mlp.experts.down_proj", layer.prefix)))?;
         let layout = &layouts[slot];
-        let layer_sums: Vec<u64> = (0..c.num_experts)
+        let layer_sums: Vec<(u64, Vec<u64>)> = (0..c.num_experts)
             .into_par_iter()
-            .map(|e| -> Result<u64> {
+            .map(|e| -> Result<(u64, Vec<u64>)> {
                 let mut rec = vec![0u8; record_bytes as usize];
                 let parts = [
                     (&layout.gate_proj, elements(gu, opts.seed, e * 2 * inter * h, (e * 2 + 1) * inter * h)),
@@ -155,10 +157,13 @@ pub fn write_store(shape: &SynthShape, opts: &SynthOptions, dir: &Path, progress
                 }
                 ef.write_all_at(&rec, (slot * c.num_experts + e) as u64 * record_bytes)?;
                 progress.inc((3 * inter * h * 2) as u64);
-                Ok(xxh3_64(&rec))
+                Ok((xxh3_64(&rec), record_piece_sums(&rec, piece_bytes)))
             })
             .collect::<Result<_>>()?;
-        sums.extend(layer_sums);
+        for (sum, pieces) in layer_sums {
+            sums.push(sum);
+            psums.extend(pieces);
+        }
     }
     ef.sync_all()?;
     let sums_bytes: Vec<u8> = sums.iter().flat_map(|s| s.to_le_bytes()).collect();
@@ -169,6 +174,10 @@ pub fn write_store(shape: &SynthShape, opts: &SynthOptions, dir: &Path, progress
     let mut sw = HashingWriter::create(&dir.join(&sname))?;
     sw.write(&sums_bytes)?;
     files.insert(sname.clone(), sw.finish()?);
+    let pname = format!("experts-{tag}.psums");
+    let mut pw = HashingWriter::create(&dir.join(&pname))?;
+    pw.write(&psums.iter().flat_map(|s| s.to_le_bytes()).collect::<Vec<u8>>())?;
+    files.insert(pname.clone(), pw.finish()?);
 
     // ngram.bin: shards in order, rows interleaved as words | scales | biases.
     let mut tables = Vec::new();
@@ -247,6 +256,7 @@ pub fn write_store(shape: &SynthShape, opts: &SynthOptions, dir: &Path, progress
         experts: ExpertFile {
             file: ename,
             sums_file: sname,
+            piece_sums: Some(PieceSums { file: pname, piece_bytes }),
             record_bytes,
             num_experts: c.num_experts,
             layers: layouts,
