@@ -1145,22 +1145,9 @@ impl CudaModel {
         let mut order: Vec<usize> = (0..entries.len()).filter(|&i| entries[i].hit).collect();
         let hits = order.len();
         order.extend((0..entries.len()).filter(|&i| !entries[i].hit));
-        let tag = layer_tag(layout);
-        let mem = self.pool.memory();
         // SAFETY: the stream has passed this layer's previous use of its table rows (ev[0] follows
         // the previous step's end), so no copy reads them while they are written.
-        unsafe {
-            let t = &mut mb.tables_host.as_mut_slice::<u64>()[l * k..(l + 1) * k];
-            for (slot, &i) in t.iter_mut().zip(&order) {
-                *slot = mem.slot_ptr(entries[i].slot) | tag;
-            }
-            let r = &mut mb.ranks_host.as_mut_slice::<i32>()[l * k..(l + 1) * k];
-            for (rank, entry) in r.iter_mut().enumerate() {
-                *entry = order.iter().position(|&i| entries[i].expert == experts[rank]).unwrap() as i32;
-            }
-        }
-        g.upload(table, &mb.tables_host, l * k * 8, k * 8)?;
-        g.upload(ranks, &mb.ranks_host, l * k * 4, k * 4)?;
+        unsafe { self.write_table(mb, l, &lease, &order, k)? };
         // 3. The resident experts' kernels run while the reads finish.
         g.record(&ev[1])?;
         self.launch_experts(sc, layout, table, 0, hits)?;
@@ -1260,26 +1247,47 @@ impl CudaModel {
             return Ok(k);
         }
         new_order.extend(order[hits..].iter().copied().filter(|&i| dropped(i)));
+        // SAFETY: the table's first upload ran before the resident kernels, which have finished
+        // (the deadline passed), so these rows are not being read.
+        unsafe { self.write_table(mb, l, lease, &new_order, kept)? };
+        Ok(kept)
+    }
+
+    /// Writes MoE layer `l`'s address table (the lease's entries in `order`) and, per top-k rank,
+    /// its table entry into pinned memory, and queues their upload. Ranks whose entry comes at or
+    /// after `kept` (dropped by the deadline cut) point at entry k, whose output row is zero.
+    /// Lease entries are in rank order (the router's order).
+    ///
+    /// # Safety
+    /// No queued copy may still be reading layer `l`'s rows of the pinned tables.
+    unsafe fn write_table(
+        &self,
+        mb: &MoeBufs,
+        l: usize,
+        lease: &Lease<'_, DeviceSlots>,
+        order: &[usize],
+        kept: usize,
+    ) -> Result<()> {
+        let k = order.len();
         let entries = lease.entries();
         let tag = layer_tag(&self.store.manifest.experts.layers[l]);
         let mem = self.pool.memory();
-        // SAFETY: the table's first upload ran before the resident kernels, which have finished
-        // (the deadline passed), so these rows are not being read.
-        unsafe {
-            let t = &mut mb.tables_host.as_mut_slice::<u64>()[l * k..(l + 1) * k];
-            for (slot, &i) in t.iter_mut().zip(&new_order) {
-                *slot = mem.slot_ptr(entries[i].slot) | tag;
-            }
-            let r = &mut mb.ranks_host.as_mut_slice::<i32>()[l * k..(l + 1) * k];
-            for (rank, entry) in r.iter_mut().enumerate() {
-                let at = new_order.iter().position(|&i| i == rank).expect("every rank has an entry");
-                // The zero row past every entry for the dropped experts.
-                *entry = if at < kept { at as i32 } else { k as i32 };
-            }
+        // SAFETY: the caller guarantees no copy reads these rows now.
+        let (t, r) = unsafe {
+            (
+                &mut mb.tables_host.as_mut_slice::<u64>()[l * k..(l + 1) * k],
+                &mut mb.ranks_host.as_mut_slice::<i32>()[l * k..(l + 1) * k],
+            )
+        };
+        for (slot, &i) in t.iter_mut().zip(order) {
+            *slot = mem.slot_ptr(entries[i].slot) | tag;
+        }
+        for (rank, entry) in r.iter_mut().enumerate() {
+            let at = order.iter().position(|&i| i == rank).expect("every rank has an entry");
+            *entry = if at < kept { at as i32 } else { k as i32 };
         }
         self.gpu.upload(mb.tables.at(l * k * 8), &mb.tables_host, l * k * 8, k * 8)?;
-        self.gpu.upload(mb.ranks.at(l * k * 4), &mb.ranks_host, l * k * 4, k * 4)?;
-        Ok(kept)
+        self.gpu.upload(mb.ranks.at(l * k * 4), &mb.ranks_host, l * k * 4, k * 4)
     }
 
     /// Queues the router kernel (see `route_topk` in ple_moe.cu); zero pointers are absent.

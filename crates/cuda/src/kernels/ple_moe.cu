@@ -324,14 +324,7 @@ extern "C" __global__ void top_candidates(float* logits, int V, int k, int* ids,
                 bi = i;
             }
         }
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) {
-                bv = ov;
-                bi = oi;
-            }
-        }
+        warp_argmax(bv, bi);
         if (lane == 0) {
             best_v[warp] = bv;
             best_i[warp] = bi;
