@@ -14,6 +14,7 @@ use cherenkov_model::config::TextConfig;
 use cherenkov_model::store::Store;
 
 use crate::backend::{AnyModel, BackendChoice};
+use crate::progress::bytes_bar;
 
 /// Memory, backend and threading options shared by every command that runs a model.
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -201,12 +202,31 @@ pub fn cuda_model(store: Arc<Store>, args: &LoadArgs) -> Result<CudaModel> {
         format_bytes((slots * record) as u64),
         100.0 * slots as f64 / all as f64,
     );
-    let mut model = CudaModel::new(store, gpu, pool)?;
+    let mut model = CudaModel::new(store, gpu, pool.clone())?;
     if let Some(w) = args.cut_weak {
         if !(0.0..=1.0).contains(&w) {
             bail!("--cut-weak {w}: a routing weight between 0 and 1 is expected");
         }
         model.cut_weak = Some(w);
+    }
+    if slots >= all {
+        // Every expert fits: load them all now, with progress, rather than in the first step.
+        let bar = bytes_bar("experts");
+        bar.set_length((all * record) as u64);
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    bar.set_position(pool.stats().total.bytes_read.min((all * record) as u64));
+                    std::thread::sleep(std::time::Duration::from_millis(100));
+                }
+            });
+            let r = model.make_resident();
+            done.store(true, std::sync::atomic::Ordering::Relaxed);
+            r
+        })
+        .context("loading every expert into the GPU")?;
+        bar.finish_and_clear();
     }
     Ok(model)
 }

@@ -588,6 +588,16 @@ impl CudaModel {
         Ok(())
     }
 
+    /// With a cache that holds every expert, loads them all now (otherwise the first step does);
+    /// returns whether every expert is resident. For callers that show progress while it runs
+    /// (the pool's statistics count the records read).
+    pub fn make_resident(&self) -> Result<bool> {
+        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        self.gpu.bind()?;
+        self.decide_residency(&mut sc)?;
+        Ok(sc.moe.map.is_some())
+    }
+
     /// With a cache that holds every expert, loads them all once and writes the device map the
     /// router kernel builds its tables from. Decided at the first step.
     fn decide_residency(&self, sc: &mut Scratch) -> Result<()> {
