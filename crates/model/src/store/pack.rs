@@ -312,18 +312,7 @@ pub fn pack(ck: &Checkpoint, out: &Path, progress: &ProgressBar) -> Result<Manif
         }
     }
     ef.sync_all().with_context(|| format!("fsync of {experts_name} failed"))?;
-    // The experts file's checksum is the hash of its record sums (each record is checked on read).
-    let sums_bytes: Vec<u8> = sums.iter().flat_map(|s| s.to_le_bytes()).collect();
-    files.insert(
-        experts_name.clone(),
-        FileSum { bytes: n_records * record_bytes, xxh3: format!("{:016x}", xxh3_64(&sums_bytes)) },
-    );
-    let mut sw = HashingWriter::create(&out.join(&sums_name))?;
-    sw.write(&sums_bytes)?;
-    files.insert(sums_name.clone(), sw.finish()?);
-    let mut pw = HashingWriter::create(&out.join(&psums_name))?;
-    pw.write(&psums.iter().flat_map(|s| s.to_le_bytes()).collect::<Vec<u8>>())?;
-    files.insert(psums_name.clone(), pw.finish()?);
+    write_expert_sums(out, [&experts_name, &sums_name, &psums_name], record_bytes, &sums, &psums, &mut files)?;
 
     // ---- ngram.bin ---------------------------------------------------------------------------
     let ngram = if ngram_plan.is_empty() {
@@ -415,6 +404,30 @@ pub fn pack(ck: &Checkpoint, out: &Path, progress: &ProgressBar) -> Result<Manif
     File::open(&mp).and_then(|f| f.sync_all()).ok();
     progress.finish_with_message("packed");
     Ok(manifest)
+}
+
+/// Writes the record sums and piece sums files of an experts file whose records were written, and
+/// their entries in `files`: `names` are the experts, sums and piece sums files. The experts
+/// file's checksum is the hash of its record sums (each record is checked on read).
+pub(crate) fn write_expert_sums(
+    dir: &Path,
+    names: [&str; 3],
+    record_bytes: u64,
+    sums: &[u64],
+    psums: &[u64],
+    files: &mut BTreeMap<String, FileSum>,
+) -> Result<()> {
+    let [experts, sums_name, psums_name] = names;
+    let sums_bytes: Vec<u8> = sums.iter().flat_map(|s| s.to_le_bytes()).collect();
+    let bytes = sums.len() as u64 * record_bytes;
+    files.insert(experts.to_string(), FileSum { bytes, xxh3: format!("{:016x}", xxh3_64(&sums_bytes)) });
+    let mut sw = HashingWriter::create(&dir.join(sums_name))?;
+    sw.write(&sums_bytes)?;
+    files.insert(sums_name.to_string(), sw.finish()?);
+    let mut pw = HashingWriter::create(&dir.join(psums_name))?;
+    pw.write(&psums.iter().flat_map(|s| s.to_le_bytes()).collect::<Vec<u8>>())?;
+    files.insert(psums_name.to_string(), pw.finish()?);
+    Ok(())
 }
 
 /// The xxh3-64 of each `piece_bytes` piece of a record (the last one may be shorter).

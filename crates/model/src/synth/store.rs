@@ -23,7 +23,7 @@ use crate::config::ModelConfig;
 use crate::dtype::DType;
 use crate::quant::{quantize_matrix, u16s_to_le_bytes, u32s_to_le_bytes};
 use crate::store::manifest::*;
-use crate::store::pack::{HashingWriter, expert_layouts, experts_tag, record_piece_sums};
+use crate::store::pack::{HashingWriter, expert_layouts, experts_tag, record_piece_sums, write_expert_sums};
 
 /// Elements `[a, b)` of a planned tensor as little-endian bytes of its dtype.
 fn elements(t: &Planned, seed: u64, a: usize, b: usize) -> Vec<u8> {
@@ -166,18 +166,8 @@ pub fn write_store(shape: &SynthShape, opts: &SynthOptions, dir: &Path, progress
         }
     }
     ef.sync_all()?;
-    let sums_bytes: Vec<u8> = sums.iter().flat_map(|s| s.to_le_bytes()).collect();
-    files.insert(
-        ename.clone(),
-        FileSum { bytes: n_records * record_bytes, xxh3: format!("{:016x}", xxh3_64(&sums_bytes)) },
-    );
-    let mut sw = HashingWriter::create(&dir.join(&sname))?;
-    sw.write(&sums_bytes)?;
-    files.insert(sname.clone(), sw.finish()?);
     let pname = format!("experts-{tag}.psums");
-    let mut pw = HashingWriter::create(&dir.join(&pname))?;
-    pw.write(&psums.iter().flat_map(|s| s.to_le_bytes()).collect::<Vec<u8>>())?;
-    files.insert(pname.clone(), pw.finish()?);
+    write_expert_sums(dir, [&ename, &sname, &pname], record_bytes, &sums, &psums, &mut files)?;
 
     // ngram.bin: shards in order, rows interleaved as words | scales | biases.
     let mut tables = Vec::new();
