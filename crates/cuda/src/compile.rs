@@ -117,9 +117,14 @@ pub fn compile(arch: &'static str) -> Result<String> {
              toolkit or `pip install nvidia-cuda-nvrtc==13.0.88` and add its lib directory to LD_LIBRARY_PATH"
         );
     }
+    let mut options = vec!["--std=c++17".to_string(), "-default-device".into()];
+    // Kernel variants for measurements (e.g. CHERENKOV_NO_MATVEC_PREFETCH): names to define.
+    if let Ok(defs) = std::env::var("CHERENKOV_KERNEL_DEFINES") {
+        options.extend(defs.split_whitespace().map(|d| format!("-D{d}")));
+    }
     let opts = cudarc::nvrtc::CompileOptions {
         arch: Some(arch),
-        options: vec!["--std=c++17".into(), "-default-device".into()],
+        options,
         // Keep IEEE division and square root: the kernels are checked against the CPU reference.
         prec_div: Some(true),
         prec_sqrt: Some(true),

@@ -113,6 +113,10 @@ pub struct Gpu {
     pub info: GpuInfo,
     funcs: HashMap<&'static str, sys::CUfunction>,
     _module: sys::CUmodule,
+    /// Whether kernels are launched with programmatic stream serialization (compute capability 9.0
+    /// and newer, unless `CHERENKOV_NO_PDL` is set): a kernel's blocks may be scheduled while the
+    /// previous kernel runs, and wait for it in `grid_wait` (common.cuh).
+    pub pdl: bool,
     /// Zeroed scratch of the split matvecs ([`SPLIT_SCRATCH_BYTES`]): their counters are back to
     /// zero after every launch, and launches on the one compute stream never overlap.
     pub split_scratch: DevBuf,
@@ -165,7 +169,8 @@ impl Gpu {
             cu::memset_d8_sync(ptr, 0, SPLIT_SCRATCH_BYTES).map_err(|e| anyhow::anyhow!("memset failed: {e}"))?;
             buf
         };
-        Ok(Arc::new(Gpu { ctx, stream, info, funcs, _module: module, split_scratch }))
+        let pdl = maj >= 9 && std::env::var_os("CHERENKOV_NO_PDL").is_none();
+        Ok(Arc::new(Gpu { ctx, stream, info, funcs, _module: module, pdl, split_scratch }))
     }
 
     pub fn bind(&self) -> Result<()> {
@@ -263,10 +268,33 @@ impl Gpu {
             })
             .collect();
         let mut ptrs: Vec<*mut c_void> = vals.iter_mut().map(|v| v.as_mut_ptr() as *mut c_void).collect();
-        // SAFETY: f is a kernel of the loaded module; every argument is passed by value with the
-        // size the kernel declares (8 bytes for pointers/u64, 4 for int/float; the kernel reads only
-        // the first 4 bytes of those).
-        unsafe { cu::launch_kernel(f, grid, (block, 1, 1), shmem, self.stream, &mut ptrs) }
+        if !self.pdl {
+            // SAFETY: f is a kernel of the loaded module; every argument is passed by value with the
+            // size the kernel declares (8 bytes for pointers/u64, 4 for int/float; the kernel reads
+            // only the first 4 bytes of those).
+            return unsafe { cu::launch_kernel(f, grid, (block, 1, 1), shmem, self.stream, &mut ptrs) }
+                .map_err(|e| anyhow::anyhow!("launch of {name} failed: {e}"));
+        }
+        // SAFETY: a zeroed attribute is a valid value of this plain C struct.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: shmem,
+            hStream: self.stream,
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: as above; `config` and `attr` outlive the call. Every kernel waits for its
+        // predecessor (grid_wait) before touching memory earlier work writes.
+        unsafe { sys::cuLaunchKernelEx(&config, f, ptrs.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
             .map_err(|e| anyhow::anyhow!("launch of {name} failed: {e}"))
     }
 }

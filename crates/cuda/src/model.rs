@@ -1317,7 +1317,7 @@ impl CudaModel {
         self.gpu.launch(
             "route_topk",
             (1, 1, 1),
-            256,
+            32,
             0,
             &[
                 Arg::Ptr(logits),

@@ -14,3 +14,25 @@ fn kernels_compile_for_hopper() {
     let ptx = cherenkov_cuda::compile::compile("sm_90").unwrap_or_else(|e| panic!("{e:#}"));
     assert!(ptx.contains(".target sm_90"), "PTX is not for sm_90");
 }
+
+/// Every kernel waits for its predecessor (`griddepcontrol.wait`) on Hopper, where the backend
+/// launches them with programmatic stream serialization: a kernel without the wait could read its
+/// inputs before the kernel that writes them has finished. On Ampere the instructions compile away.
+#[test]
+fn every_kernel_waits_for_its_predecessor() {
+    if !cherenkov_cuda::compile::nvrtc_available() {
+        eprintln!("skipped: NVRTC not found");
+        return;
+    }
+    let ptx = cherenkov_cuda::compile::compile("sm_90").unwrap_or_else(|e| panic!("{e:#}"));
+    let mut entries = 0;
+    for body in ptx.split(".entry ").skip(1) {
+        let name = body.split('(').next().unwrap_or("?");
+        let end = body.find(".entry ").unwrap_or(body.len());
+        assert!(body[..end].contains("griddepcontrol.wait"), "kernel {name} never calls grid_wait()");
+        entries += 1;
+    }
+    assert_eq!(entries, cherenkov_cuda::compile::KERNELS.len(), "kernel entries in the PTX");
+    let ampere = cherenkov_cuda::compile::compile("sm_80").unwrap_or_else(|e| panic!("{e:#}"));
+    assert!(!ampere.contains("griddepcontrol"), "sm_80 has no programmatic dependent launch");
+}

@@ -2,6 +2,7 @@
 
 // Splits q_proj's output [heads, 2d] (query first, then gate) into q [heads, d] and gate [heads, d].
 extern "C" __global__ void split_q_gate(const float* qg, float* q, float* gate, int heads, int d) {
+    grid_enter();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= heads * d) return;
     const int h = i / d, j = i - h * d;
@@ -13,6 +14,7 @@ extern "C" __global__ void split_q_gate(const float* qg, float* q, float* gate, 
 // (step[1]), and the QSA index key (`id` floats; none when ikeys is null).
 extern "C" __global__ void kv_append(const float* k, const float* v, const float* ikey, float* kc, float* vc,
                                      float* ikeys, const int* step, int kvd, int id) {
+    grid_enter();
     const int pos = step[1];
     const int n = max(kvd, ikeys ? id : 0);
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
@@ -30,6 +32,7 @@ extern "C" __global__ void kv_append(const float* k, const float* v, const float
 // One block of threads.
 extern "C" __global__ void qsa_pool_block(const float* keys, float* blocks, const int* step, int ratio, int d,
                                           const float* w, float eps, const float* inv_freq, int rd) {
+    grid_enter();
     if ((step[1] + 1) % ratio != 0) return;
     const int b = (step[1] + 1) / ratio - 1;
     extern __shared__ float pooled[];  // d floats
@@ -53,6 +56,7 @@ extern "C" __global__ void qsa_pool_block(const float* keys, float* blocks, cons
 // Block scores for one query: score[b] = sum over index heads of relu(q_h . k_b) / sqrt(d).
 // One warp per block b.
 extern "C" __global__ void qsa_scores(const float* q, const float* blocks, float* scores, int nblocks, int heads, int d) {
+    grid_enter();
     const int b = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     if (b >= nblocks) return;
     const int lane = threadIdx.x & 31;
@@ -73,6 +77,7 @@ extern "C" __global__ void qsa_scores(const float* q, const float* blocks, float
 extern "C" __global__ void attend(const float* q, const float* kc, const float* vc, const int* idx, int n,
                                   const int* step, float* scores, float* out, int heads, int kv_heads, int d,
                                   float scale) {
+    grid_enter();
     __shared__ float scratch[32];
     if (!idx) n = step[1] + 1;
     const int h = blockIdx.x;

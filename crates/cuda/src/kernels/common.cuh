@@ -11,6 +11,31 @@ typedef unsigned char u8;
 #define TAG_MASK (3ull << 62)
 #define NEG_INF __int_as_float(0xff800000)
 
+// ---- Programmatic dependent launch (compute capability 9.0 and newer; Gpu::launch in gpu.rs). ----
+//
+// Kernels are launched so that the next kernel in the stream may be scheduled while this one runs.
+// Every kernel calls grid_wait() before it touches memory that earlier work writes, and before any
+// return (a grid that could finish before its predecessor would let its successor, which waits only
+// for it, read too early); then grid_release() lets the next kernel's blocks be scheduled into the
+// room this grid leaves. Older GPUs launch normally and the instructions compile to nothing.
+__device__ __forceinline__ void grid_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void grid_release() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// The usual kernel entry: wait for the previous kernel's results, then let the next one be scheduled.
+__device__ __forceinline__ void grid_enter() {
+    grid_wait();
+    grid_release();
+}
+
 __device__ __forceinline__ float bf16f(u16 b) { return __uint_as_float(((u32)b) << 16); }
 
 __device__ __forceinline__ float f16f(u16 h) {

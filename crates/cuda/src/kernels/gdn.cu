@@ -5,6 +5,7 @@
 // Causal depthwise conv over [state (K-1 rows, oldest first), x] with silu; shifts the state.
 // One thread per channel.
 extern "C" __global__ void gdn_conv(const float* x, float* state, const float* w, float* out, int C, int K) {
+    grid_enter();
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= C) return;
     const float* wk = w + (size_t)ch * K;
@@ -49,6 +50,7 @@ __device__ __forceinline__ const float* gdn_stage_qk(const float* qkv, float* sh
 // with beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias).
 extern "C" __global__ void gdn_recurrent(const float* qkv, const float* a, const float* b, const float* A_log,
                                          const float* dt_bias, float* S, float* out, int nk, int nv, int dk, int dv) {
+    grid_enter();
     extern __shared__ float sh[];  // q then k of this head's key head: 2 * dk floats
     const int hv = blockIdx.x;
     const float* v = gdn_stage_qk(qkv, sh, hv, nk, nv, dk, dv);
@@ -85,6 +87,7 @@ extern "C" __global__ void gdn_recurrent(const float* qkv, const float* a, const
 #define GDN_MAX_ROWS 32
 extern "C" __global__ void gdn_recurrent_split(const float* qkv, const float* a, const float* b, const float* A_log,
                                                const float* dt_bias, float* S, float* out, int nk, int nv, int dk, int dv) {
+    grid_enter();
     extern __shared__ float sh[];
     const int hv = blockIdx.x;
     const float* v = gdn_stage_qk(qkv, sh, hv, nk, nv, dk, dv);
@@ -131,6 +134,7 @@ extern "C" __global__ void gdn_recurrent_split(const float* qkv, const float* a,
 
 // Gated RMSNorm per value head (one block each): o = w * (o / rms(o)) * act(z); act 0 = sigmoid, 1 = silu.
 extern "C" __global__ void gdn_out_norm(float* o, const float* z, const float* w, int dv, float eps, int act) {
+    grid_enter();
     __shared__ float scratch[32];
     float* h = o + (size_t)blockIdx.x * dv;
     const float* zh = z + (size_t)blockIdx.x * dv;

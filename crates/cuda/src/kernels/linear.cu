@@ -502,6 +502,7 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
         matvec_many_q##NB(const float* x, const float* x2, float xs, int op, int cols, int gs, float* scratch, \
                           MV_PART_ARGS(0), MV_PART_ARGS(1), MV_PART_ARGS(2), MV_PART_ARGS(3)) {                \
         const int p = blockIdx.y;                                                                              \
+        grid_enter();                                                                                          \
         matvec_many_part<NB>(x, MvIn{x2, xs, op}, cols, gs, scratch, MV_SEL(W), MV_SEL(S), MV_SEL(Bi),         \
                              MV_SEL(y), MV_SEL(r), MV_SEL(l), MV_SEL(n), MV_SEL(k));                           \
     }
@@ -513,6 +514,7 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
     extern "C" __global__ void matvec_q##B(const u32* W, const u16* S, const u16* Bi, const float* x, float* y, \
                                            int rows, int cols, int gs, int rpb, const float* x2, float xs,      \
                                            int op) {                                                           \
+        grid_enter();                                                                                          \
         if (op == MV_IN_PLAIN) {                                                                               \
             matvec_affine<B>(W, S, Bi, x, y, rows, cols, gs);                                                  \
         } else {                                                                                               \
@@ -529,6 +531,7 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
         matvec_q##B(const u32* W, const u16* S, const u16* Bi, const float* x, float* y, int rows, int cols,   \
                     int gs, int rpb, const float* x2, float xs, int op) {                                      \
         const MvIn in{x2, xs, op};                                                                             \
+        grid_enter();                                                                                          \
         if (rpb & MV_TILED) {                                                                                  \
             matvec_tiled<B>(W, S, Bi, x, in, y, rows, cols, gs, rpb & (MV_TILED - 1));                         \
         } else {                                                                                               \
@@ -566,6 +569,7 @@ __device__ __forceinline__ void matvec_float_row_impl(const void* W, const float
 // (x2, xs, op): the input transform (MV_IN_*), applied while x is staged.
 extern "C" __global__ void matvec_float(const void* W, const float* x_global, float* y, int rows, int cols, int dtype,
                                         int rpb, const float* x2, float xs, int op) {
+    grid_enter();
     extern __shared__ float sx[];
     stage_x_in(x_global, MvIn{x2, xs, op}, sx, cols);
     const float* x = sx;
@@ -579,6 +583,7 @@ extern "C" __global__ void matvec_float(const void* W, const float* x_global, fl
 // matvec_float.
 extern "C" __global__ void embed_row(const void* W, const u16* S, const u16* B, const int* step, float* out, int cols,
                                      int copies, int dtype, int bits, int gs) {
+    grid_enter();
     const int row = step[0];
     for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < cols; j += gridDim.x * blockDim.x) {
         float v;

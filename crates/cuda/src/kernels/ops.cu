@@ -5,6 +5,7 @@
 // are few and all in flight together). The weight has `wlen` elements and repeats (wlen == group
 // for per-head norms, or the whole row for per-stream norms).
 extern "C" __global__ void rmsnorm_zc(const float* x, const float* w, float* y, int group, int wlen, float eps) {
+    grid_enter();
     __shared__ float scratch[32];
     const float* xg = x + (size_t)blockIdx.x * group;
     float* yg = y + (size_t)blockIdx.x * group;
@@ -25,12 +26,14 @@ extern "C" __global__ void rmsnorm_zc(const float* x, const float* w, float* y, 
 
 // y = silu(x * scale), in place.
 extern "C" __global__ void scale_silu(float* x, int n, float scale) {
+    grid_enter();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = siluf_(x[i] * scale);
 }
 
 // Hyper-connection input: out[j] = mean over streams s of sigmoid(mix[s*H+j]) * normed[s*H+j].
 extern "C" __global__ void hc_mix(const float* mix, const float* normed, float* out, int hc, int H) {
+    grid_enter();
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= H) return;
     float acc = 0.0f;
@@ -40,6 +43,7 @@ extern "C" __global__ void hc_mix(const float* mix, const float* normed, float* 
 
 // Injection: x[s*H+j] += 2 sigmoid(inj[s] / hc) * out[j].
 extern "C" __global__ void hc_inject(float* x, const float* inj, const float* out, int hc, int H) {
+    grid_enter();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= hc * H) return;
     const int s = i / H, j = i - s * H;
@@ -48,12 +52,14 @@ extern "C" __global__ void hc_inject(float* x, const float* inj, const float* ou
 
 // y = silu(gate) * up, in place into gate.
 extern "C" __global__ void silu_mul(float* gate, const float* up, int n) {
+    grid_enter();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) gate[i] = siluf_(gate[i]) * up[i];
 }
 
 // x[i] *= sigmoid(g[i]).
 extern "C" __global__ void mul_sigmoid(float* x, const float* g, int n) {
+    grid_enter();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] *= sigmoidf_(g[i]);
 }
@@ -74,6 +80,7 @@ __device__ __forceinline__ void rope_apply(float* v, const float* inv_freq, int 
 // step's position (step[1]).
 extern "C" __global__ void norm_rope(float* v, const float* w, int d, float eps, const float* inv_freq, int rd,
                                      const int* step) {
+    grid_enter();
     const int pos = step[1];
     __shared__ float scratch[32];
     float* h = v + (size_t)blockIdx.x * d;

@@ -4,6 +4,7 @@
 // PLE gate, one block per stream s: g = <kn_s, qn_s> / sqrt(H); g = sign(g) sqrt(max(|g|, 1e-6));
 // gated_s = sigmoid(g) * value.
 extern "C" __global__ void ple_gate(const float* kn, const float* qn, const float* value, float* gated, int H) {
+    grid_enter();
     __shared__ float scratch[32];
     const int s = blockIdx.x;
     float acc = 0.0f;
@@ -19,6 +20,7 @@ extern "C" __global__ void ple_gate(const float* kn, const float* qn, const floa
 // x += gated + silu(conv); the state shifts by one row.
 extern "C" __global__ void ple_conv(const float* gn, const float* gated, float* state, const float* w, float* x, int W,
                                     int K, int dil) {
+    grid_enter();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= W) return;
     const int hist = (K - 1) * dil;
@@ -33,16 +35,16 @@ extern "C" __global__ void ple_conv(const float* gn, const float* gated, float* 
     if (hist > 0) state[(size_t)(hist - 1) * W + c] = gn[c];
 }
 
-// Router: top-k of v = logits + bias (bias may be null; see model_w below) by v, ties to the lower id; weights are the
-// softmax of v at the chosen experts, renormalised over them when `norm`. One block of 256 threads
-// (E <= 256 * ROUTE_PER_THREAD, k <= 64): each warp finds its own top-k with shuffles, then warp 0
-// picks the top-k of those candidates, so no round needs the whole block. Writes ids[k] and
-// weights[k] in descending weight, the ids also to `ids_host` (mapped host memory, may be null).
-// With `map` (one address-table entry per expert, the layer's resident experts; may be null) it
-// also writes the step's address table, in rank order, and rank_entry[r] = r: every chosen expert
-// must be resident then.
-#define ROUTE_PER_THREAD 8
-#define ROUTE_MAX_K 64
+// Router: top-k of v = logits + bias (bias may be null; see model_w below) by v, ties to the lower
+// id; weights are the softmax of v at the chosen experts, renormalised over them when `norm`. One
+// warp (E <= 32 * ROUTE_PER_LANE, k <= 64): lane l holds experts l, l + 32, ... and its own best;
+// each round the warp's argmax is the next expert and only its lane looks for a new best, so no
+// round needs shared memory or a block-wide barrier. Writes ids[k] and weights[k] in descending
+// weight, the ids also to `ids_host` (mapped host memory, may be null). With `map` (one
+// address-table entry per expert, the layer's resident experts; may be null) it also writes the
+// step's address table, in rank order, and rank_entry[r] = r: every chosen expert must be resident
+// then.
+#define ROUTE_PER_LANE 64
 
 // Warp argmax of (v, i): largest v, ties to the lower i; every lane gets the result.
 __device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
@@ -57,92 +59,72 @@ __device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
     }
 }
 
+// The lane's best of its values (experts lane + 32 j), ties to the lower id.
+__device__ __forceinline__ void route_lane_best(const float* v, int lane, float& bv, int& bi) {
+    bv = NEG_INF;
+    bi = 0x7fffffff;
+#pragma unroll
+    for (int j = 0; j < ROUTE_PER_LANE; j++) {
+        if (v[j] > bv) {
+            bv = v[j];
+            bi = lane + 32 * j;
+        }
+    }
+}
+
 extern "C" __global__ void route_topk(const float* logits, const float* bias, float model_w, int E, int k, int norm,
                                       int* ids, float* weights, int* ids_host, const u64* map, u64* table,
                                       int* rank_entry) {
-    __shared__ float scratch[32];
-    __shared__ float cand_v[8 * ROUTE_MAX_K];
-    __shared__ int cand_i[8 * ROUTE_MAX_K];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    float v[ROUTE_PER_THREAD];
+    grid_enter();
+    const int lane = threadIdx.x & 31;
+    float v[ROUTE_PER_LANE];
     // With a bias (synthetic routers), the logits count as model_w times their standard score
     // (engine::routing); the mean drops out of softmax and top-k.
     float scale = 1.0f;
     if (bias) {
         float s1 = 0.0f, s2 = 0.0f;
 #pragma unroll
-        for (int j = 0; j < ROUTE_PER_THREAD; j++) {
-            const int e = threadIdx.x + j * blockDim.x;
+        for (int j = 0; j < ROUTE_PER_LANE; j++) {
+            const int e = lane + 32 * j;
             if (e < E) {
-                s1 += logits[e];
-                s2 += logits[e] * logits[e];
+                const float l = logits[e];
+                s1 += l;
+                s2 += l * l;
             }
         }
-        s1 = block_sum(s1, scratch);
-        s2 = block_sum(s2, scratch);
+        s1 = warp_sum(s1);
+        s2 = warp_sum(s2);
         const float mean = s1 / (float)E, var = fmaxf(s2 / (float)E - mean * mean, 0.0f);
         scale = var > 0.0f ? model_w * rsqrtf(var) : 0.0f;
     }
     float m = NEG_INF;
 #pragma unroll
-    for (int j = 0; j < ROUTE_PER_THREAD; j++) {
-        const int e = threadIdx.x + j * blockDim.x;
+    for (int j = 0; j < ROUTE_PER_LANE; j++) {
+        const int e = lane + 32 * j;
         v[j] = e < E ? scale * logits[e] + (bias ? bias[e] : 0.0f) : NEG_INF;
         m = fmaxf(m, v[j]);
     }
-    m = block_max(m, scratch);
+    m = warp_max(m);
     float sum = 0.0f;
 #pragma unroll
-    for (int j = 0; j < ROUTE_PER_THREAD; j++)
-        if (threadIdx.x + j * blockDim.x < E) sum += expf(v[j] - m);
-    sum = block_sum(sum, scratch);
-    // Each warp's top-k among its experts.
-    for (int r = 0; r < k; r++) {
-        float bv = NEG_INF;
-        int bi = 0x7fffffff;
-#pragma unroll
-        for (int j = 0; j < ROUTE_PER_THREAD; j++) {
-            const int e = threadIdx.x + j * blockDim.x;
-            if (e < E && (v[j] > bv || (v[j] == bv && e < bi))) {
-                bv = v[j];
-                bi = e;
-            }
-        }
-        warp_argmax(bv, bi);
-        if (lane == 0) {
-            cand_v[warp * k + r] = bv;
-            cand_i[warp * k + r] = bi;
-        }
-#pragma unroll
-        for (int j = 0; j < ROUTE_PER_THREAD; j++)
-            if (threadIdx.x + j * blockDim.x == bi) v[j] = NEG_INF;
-    }
-    __syncthreads();
-    if (warp != 0) return;
-    // Warp 0: the top-k of the nw * k candidates.
-    const int nc = nw * k;
-    float cv[(8 * ROUTE_MAX_K) / 32];
-    int ci[(8 * ROUTE_MAX_K) / 32];
-#pragma unroll
-    for (int t = 0; t < (8 * ROUTE_MAX_K) / 32; t++) {
-        const int c = lane + 32 * t;
-        cv[t] = c < nc ? cand_v[c] : NEG_INF;
-        ci[t] = c < nc ? cand_i[c] : 0x7fffffff;
-    }
+    for (int j = 0; j < ROUTE_PER_LANE; j++)
+        if (lane + 32 * j < E) sum += expf(v[j] - m);
+    sum = warp_sum(sum);
+    float lv;
+    int li;
+    route_lane_best(v, lane, lv, li);
     float total = 0.0f;
     for (int r = 0; r < k; r++) {
-        float bv = NEG_INF;
-        int bi = 0x7fffffff;
-#pragma unroll
-        for (int t = 0; t < (8 * ROUTE_MAX_K) / 32; t++)
-            if (cv[t] > bv || (cv[t] == bv && ci[t] < bi)) {
-                bv = cv[t];
-                bi = ci[t];
-            }
+        float bv = lv;
+        int bi = li;
         warp_argmax(bv, bi);
+        if ((bi & 31) == lane) {
+            // This lane held the winner: drop it and find the lane's next best.
 #pragma unroll
-        for (int t = 0; t < (8 * ROUTE_MAX_K) / 32; t++)
-            if (ci[t] == bi) cv[t] = NEG_INF;
+            for (int j = 0; j < ROUTE_PER_LANE; j++)
+                if (lane + 32 * j == bi) v[j] = NEG_INF;
+            route_lane_best(v, lane, lv, li);
+        }
         const float p = expf(bv - m) / sum;
         total += p;
         if (lane == 0) {
@@ -258,10 +240,12 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
     extern "C" __global__ void expert_gate_up_q##B(const u64* table, int first, const float* x, float* act, int I,     \
                                                    int H, int gs, int rpb, u64 g_w, u64 g_s, u64 g_b, u64 u_w,         \
                                                    u64 u_s, u64 u_b) {                                                 \
+        grid_enter();                                                                                                  \
         expert_gate_up<B>(table, first, x, act, I, H, gs, rpb, g_w, g_s, g_b, u_w, u_s, u_b);                         \
     }                                                                                                                  \
     extern "C" __global__ void expert_down_q##B(const u64* table, int first, const float* act, float* out, int I,     \
                                                 int H, int gs, int rpb, u64 d_w, u64 d_s, u64 d_b) {                   \
+        grid_enter();                                                                                                  \
         expert_down<B>(table, first, act, out, I, H, gs, rpb, d_w, d_s, d_b);                                         \
     }
 // MINB as for matvec_q (blocks of 256 threads per multiprocessor; launch_experts knows it).
@@ -269,6 +253,7 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                          \
         expert_gate_up_q##B(const u64* table, int first, const float* x, float* act, int I, int H, int gs, int rpb,  \
                             u64 g_w, u64 g_s, u64 g_b, u64 u_w, u64 u_s, u64 u_b) {                                   \
+        grid_enter();                                                                                                 \
         if (rpb & MV_TILED) {                                                                                         \
             expert_gate_up_tiled<B>(table, first, x, act, I, H, gs, rpb & (MV_TILED - 1), g_w, g_s, g_b, u_w, u_s,  \
                                     u_b);                                                                             \
@@ -279,6 +264,7 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                          \
         expert_down_q##B(const u64* table, int first, const float* act, float* out, int I, int H, int gs, int rpb,   \
                          u64 d_w, u64 d_s, u64 d_b) {                                                                 \
+        grid_enter();                                                                                                 \
         if (rpb & MV_TILED) {                                                                                         \
             expert_down_tiled<B>(table, first, act, out, I, H, gs, rpb & (MV_TILED - 1), d_w, d_s, d_b);             \
         } else {                                                                                                      \
@@ -297,6 +283,7 @@ EXPERT_KERNELS_TILED(8, 3)
 // the hc residual streams, as hc_inject does: x[s*H+j] += 2 sigmoid(inj[s] / hc) * y[j].
 extern "C" __global__ void moe_combine(const float* out, const int* entry, const float* w, int k, const float* shared,
                                        const float* shared_gate, float* y, int H, float* x, const float* inj, int hc) {
+    grid_enter();
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= H) return;
     float acc = 0.0f;
@@ -311,6 +298,7 @@ extern "C" __global__ void moe_combine(const float* out, const int* entry, const
 // lower id), so the host draws from k candidates instead of copying the whole vocabulary back. One
 // block; each round finds the largest remaining logit with a block reduction and masks it.
 extern "C" __global__ void top_candidates(float* logits, int V, int k, int* ids, float* vals) {
+    grid_enter();
     __shared__ float best_v[32];
     __shared__ int best_i[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
