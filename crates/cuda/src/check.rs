@@ -19,6 +19,7 @@ use cherenkov_model::store::Precision;
 use crate::gpu::Gpu;
 use crate::model::CudaModel;
 use crate::session::MixerState;
+use crate::weights::MatvecOutput;
 use crate::weights::{DevLinear, Mixer};
 
 /// One comparison.
@@ -117,6 +118,7 @@ pub fn linear_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
     }
     rows.extend(tiled_checks(gpu, rng)?);
     rows.extend(input_checks(gpu, rng)?);
+    rows.extend(inject_checks(gpu, rng)?);
     for dtype in [DType::BF16, DType::F16, DType::F32] {
         let w = rng.normal(r * cols, 0.05);
         let data: Vec<u8> = match dtype {
@@ -153,6 +155,7 @@ fn input_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
     let s = 0.25f32;
     let scaled: Vec<f32> = a.iter().map(|&v| silu(v * s)).collect();
     let mul: Vec<f32> = a.iter().zip(&b).map(|(&u, &v)| silu(u) * v).collect();
+    let gated: Vec<f32> = a.iter().zip(&b).map(|(&u, &v)| u * (1.0 / (1.0 + (-v).exp()))).collect();
     let (da, db) = (gpu.alloc(a.len() * 4, "check input")?, gpu.alloc(b.len() * 4, "check input")?);
     let dy = gpu.alloc(2560 * 4, "check output")?;
     // (bits (0: bf16), group size, rows, cols, input offset (floats), weights offset (bytes), path)
@@ -169,7 +172,7 @@ fn input_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
     for (bits, gs, r, c, off, woff, path) in cases {
         let w = rng.normal(r * c, 0.05);
         let want_of = |cpu: &Linear| {
-            [&scaled, &mul].map(|t| {
+            [&scaled, &mul, &gated].map(|t| {
                 let mut y = vec![0f32; r];
                 cpu.forward(&t[off..off + c], &mut y);
                 y
@@ -224,10 +227,10 @@ fn input_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
             gpu.htod(da.ptr, &a)?;
             gpu.htod(db.ptr, &b)?;
             let (xa, xb) = (da.at(off * 4), db.at(off * 4));
-            let (input, tf) = if k == 0 {
-                (MatvecInput::SiluScaled(xa, s), "silu(x s)")
-            } else {
-                (MatvecInput::SiluMul(xa, xb), "silu(a) b")
+            let (input, tf) = match k {
+                0 => (MatvecInput::SiluScaled(xa, s), "silu(x s)"),
+                1 => (MatvecInput::SiluMul(xa, xb), "silu(a) b"),
+                _ => (MatvecInput::MulSigmoid(xa, xb), "a sigmoid(b)"),
             };
             lin.matvec_in(gpu, input, dy.ptr)?;
             let mut got = vec![0f32; r];
@@ -239,6 +242,49 @@ fn input_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
                 limit: if c > 10240 { 4.0 * LINEAR_LIMIT } else { LINEAR_LIMIT },
             });
         }
+    }
+    Ok(rows)
+}
+
+/// Matvecs whose rows are injected into a hyper-connection residual
+/// ([`crate::weights::MatvecOutput::Inject`]) against the CPU product injected as `hyper::inject` does:
+/// the tiled kernel, the 3-bit kernel (both inject as they write) and a column-split shape (its
+/// rows go through the scratch and `hc_inject`).
+fn inject_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
+    use crate::weights::MatvecInput;
+    let mut rows = Vec::new();
+    let hc = 4;
+    let x = rng.normal(2560, 1.0);
+    let dx = gpu.alloc(x.len() * 4, "check input")?;
+    gpu.htod(dx.ptr, &x)?;
+    let inj: Vec<f32> = rng.normal(hc, 2.0);
+    let dinj = gpu.alloc(hc * 4, "check input")?;
+    gpu.htod(dinj.ptr, &inj)?;
+    let scratch = gpu.alloc(2560 * 4, "check output")?;
+    let weights: Vec<f32> = inj.iter().map(|&v| 2.0 / (1.0 + (-v / hc as f32).exp())).collect();
+    for (bits, gs, r, c, path) in
+        [(4u32, 64usize, 1280, 320, "tiled"), (3, 64, 333, 768, "one warp per row"), (4, 64, 8, 2560, "columns split")]
+    {
+        let (lin, _keep, want) = rand_linear(gpu, rng, Affine::new(bits, gs), r, c, &x)?;
+        let res = rng.normal(hc * r, 1.0);
+        let dres = gpu.alloc(res.len() * 4, "check residual")?;
+        gpu.htod(dres.ptr, &res)?;
+        let mut want_res = res.clone();
+        // As hyper::inject, with r-wide streams.
+        for (s, w) in weights.iter().enumerate() {
+            for (j, v) in want.iter().enumerate() {
+                want_res[s * r + j] += w * v;
+            }
+        }
+        let out = MatvecOutput::Inject { x: dres.ptr, inj: dinj.ptr, hc, scratch: scratch.ptr };
+        lin.matvec_to(gpu, MatvecInput::Plain(dx.ptr), out)?;
+        let mut got = vec![0f32; res.len()];
+        gpu.dtoh(dres.ptr, &mut got)?;
+        rows.push(CheckRow {
+            name: format!("matvec q{bits} {r}x{c} injected into {hc} streams ({path})"),
+            rel_err: rel_err(&got, &want_res),
+            limit: LINEAR_LIMIT,
+        });
     }
     Ok(rows)
 }
@@ -415,6 +461,38 @@ fn tiled_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
             limit: LINEAR_LIMIT,
         });
     }
+    // Parts of different formats in one launch (the MoE block: the router and the shared-expert
+    // gate at 8 bits, the shared expert's gate and up at 4; here 2 bits too).
+    let formats = [
+        (Affine::new(8, 64), 512usize),
+        (Affine::new(8, 64), 1),
+        (Affine::new(4, 64), 640),
+        (Affine::new(2, 128), 640),
+    ];
+    let mut lins = Vec::new();
+    let mut want = Vec::new();
+    let mut keep = Vec::new();
+    for &(fmt, r) in &formats {
+        let (lin, bufs, w) = rand_linear(gpu, rng, fmt, r, 2560, &x)?;
+        lins.push(lin);
+        want.extend(w);
+        keep.push(bufs);
+    }
+    let mut at = 0u64;
+    let parts: Vec<(&DevLinear, u64)> = lins
+        .iter()
+        .map(|l| {
+            let y = dy.ptr + at * 4;
+            at += l.rows as u64;
+            (l, y)
+        })
+        .collect();
+    crate::weights::matvec_many(gpu, dx.ptr, &parts)?;
+    rows.push(CheckRow {
+        name: "matvec_many of q8, q8, q4 and q2 parts (2560 inputs)".into(),
+        rel_err: rel_err(&read(dy.ptr, want.len())?, &want),
+        limit: LINEAR_LIMIT,
+    });
     Ok(rows)
 }
 
@@ -472,7 +550,7 @@ pub fn block_checks(cuda: &CudaModel, cpu: &CpuModel, rng: &mut Rng, label: &str
                     let hv = rng.normal(h, 1.0);
                     let want = gdn::forward(store, &c, cg, &mut st, &hv);
                     g.htod(sc.inp.ptr, &hv)?;
-                    cuda.gdn(&sc, gg, &conv, &rec)?;
+                    cuda.gdn(&sc, gg, &conv, &rec, MatvecOutput::Store(sc.out.ptr))?;
                     worst_out = worst_out.max(rel_err(&read(sc.out.ptr, h)?, &want));
                     worst_state = worst_state.max(rel_err(&read(rec.ptr, nr)?, &st.recurrent));
                 }
@@ -492,7 +570,8 @@ pub fn block_checks(cuda: &CudaModel, cpu: &CpuModel, rng: &mut Rng, label: &str
                     let want = attention::forward(store, &c, &rope, ca, &mut st, &hv, pos);
                     g.htod(sc.inp.ptr, &hv)?;
                     cuda.load_step_inputs(&sc, 0, pos)?;
-                    cuda.attention(&mut sc, ga, dst, pos)?;
+                    let out = MatvecOutput::Store(sc.out.ptr);
+                    cuda.attention(&mut sc, ga, dst, pos, out)?;
                     worst = worst.max(rel_err(&read(sc.out.ptr, h)?, &want));
                 }
                 push(format!("layer {i} QSA attention ({steps} tokens)"), worst, BLOCK_LIMIT);

@@ -94,7 +94,7 @@ pub const BLOCKS_WANTED: usize = 528;
 /// Largest input vector (bytes) a kernel stages in shared memory.
 pub const MAX_STAGED_X: usize = 160 << 10;
 
-/// Bytes of the zeroed scratch the split matvecs use (`matvec_many_q*` in linear.cu: 64 floats of
+/// Bytes of the zeroed scratch the split matvecs use (`matvec_many` in linear.cu: 64 floats of
 /// counters, then 4 parts of 16384 partial sums).
 pub const SPLIT_SCRATCH_BYTES: usize = (64 + 4 * 16384) * 4;
 

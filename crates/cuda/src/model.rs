@@ -36,7 +36,7 @@ use cherenkov_model::store::{ExpertLayout, Precision, RecordMatrix, Store};
 use crate::gpu::{Arg, DevBuf, Event, Gpu, Graph, Pinned, blocks};
 use crate::session::{CudaSession, MixerState};
 use crate::slots::DeviceSlots;
-use crate::weights::{DeviceWeights, HyperConnection, Mixer, matvec_many};
+use crate::weights::{DeviceWeights, HyperConnection, MatvecInput, MatvecOutput, Mixer, matvec_many};
 
 /// Precision tags of address-table entries.
 pub const TAG_Q3: u64 = 1 << 63;
@@ -458,12 +458,14 @@ impl CudaModel {
                 self.ple(sc, p, i, state)?;
             }
             self.hc_read(sc, &layer.attn_hc)?;
+            // The mixer's output projection injects its rows into the residual as it writes them.
+            let out =
+                MatvecOutput::Inject { x: sc.x.ptr, inj: sc.inj.ptr, hc: self.config().hc_count, scratch: sc.out.ptr };
             match (&layer.mixer, &mut ls.mixer) {
-                (Mixer::Gdn(gw), MixerState::Gdn { conv, recurrent }) => self.gdn(sc, gw, conv, recurrent)?,
-                (Mixer::Attention(aw), MixerState::Attention(a)) => self.attention(sc, aw, a, pos)?,
+                (Mixer::Gdn(gw), MixerState::Gdn { conv, recurrent }) => self.gdn(sc, gw, conv, recurrent, out)?,
+                (Mixer::Attention(aw), MixerState::Attention(a)) => self.attention(sc, aw, a, pos, out)?,
                 _ => unreachable!("session built for this model"),
             }
-            self.inject(sc)?;
             self.hc_read(sc, &layer.mlp_hc)?;
             // The combination injects the MoE output (no separate hc_inject).
             st.inject = true;
@@ -725,13 +727,15 @@ impl CudaModel {
         )
     }
 
-    /// Gated DeltaNet on `inp` into `out`, advancing the state.
+    /// Gated DeltaNet on `inp`, advancing the state; the output projection writes to `out` (stored,
+    /// or injected into the residual).
     pub(crate) fn gdn(
         &self,
         sc: &Scratch,
         gw: &crate::weights::GatedDeltaNet,
         conv: &DevBuf,
         recurrent: &DevBuf,
+        out: MatvecOutput,
     ) -> Result<()> {
         let c = self.config();
         let g = &*self.gpu;
@@ -785,24 +789,14 @@ impl CudaModel {
                 Arg::I32(nv as i32),
                 Arg::I32(dk as i32),
                 Arg::I32(dv as i32),
-            ],
-        )?;
-        let act = if c.gate_act == GateAct::Sigmoid { 0 } else { 1 };
-        g.launch(
-            "gdn_out_norm",
-            (nv as u32, 1, 1),
-            128,
-            0,
-            &[
-                Arg::Ptr(core.ptr),
+                // The gated output norm, fused.
                 Arg::Ptr(z.ptr),
                 Arg::Ptr(gw.norm.ptr),
-                Arg::I32(dv as i32),
                 Arg::F32(c.rms_norm_eps as f32),
-                Arg::I32(act),
+                Arg::I32(if c.gate_act == GateAct::Sigmoid { 0 } else { 1 }),
             ],
         )?;
-        gw.out_proj.matvec(g, core.ptr, sc.out.ptr)
+        gw.out_proj.matvec_to(g, MatvecInput::Plain(core.ptr), out)
     }
 
     /// Grouped zero-centred RMSNorm of `groups` groups of `group` elements.
@@ -837,11 +831,7 @@ impl CudaModel {
         }
         // silu(low / hc) (as the CPU: silu(low * (1 / hc))), applied by the up projection as it
         // stages its input; `low` keeps the down projection.
-        hcw.input_mix_weight_up.matvec_in(
-            g,
-            crate::weights::MatvecInput::SiluScaled(sc.low.ptr, 1.0 / hc as f32),
-            sc.mix.ptr,
-        )?;
+        hcw.input_mix_weight_up.matvec_in(g, MatvecInput::SiluScaled(sc.low.ptr, 1.0 / hc as f32), sc.mix.ptr)?;
         g.launch(
             "hc_mix",
             (blocks(h, 256), 1, 1),
@@ -877,14 +867,16 @@ impl CudaModel {
     }
 
     /// QSA-gated attention of the step's token (position `pos`, also in the step inputs on the
-    /// device) into `sc.out`. Below the QSA budget nothing waits for the host (graph-safe); past it
-    /// the block scores come back to the host, which picks the visible blocks.
+    /// device); o_proj writes to `out` (stored, or injected into the residual). Below the QSA budget
+    /// nothing waits for the host (graph-safe); past it the block scores come back to the host,
+    /// which picks the visible blocks.
     pub(crate) fn attention(
         &self,
         sc: &mut Scratch,
         aw: &crate::weights::Attention,
         st: &mut crate::session::AttentionState,
         pos: usize,
+        out: MatvecOutput,
     ) -> Result<()> {
         let c = self.config().clone();
         let g = &*self.gpu;
@@ -1037,14 +1029,8 @@ impl CudaModel {
                 Arg::F32(1.0 / (d as f32).sqrt()),
             ],
         )?;
-        g.launch(
-            "mul_sigmoid",
-            (blocks(nh * d, 256), 1, 1),
-            256,
-            0,
-            &[Arg::Ptr(attn.ptr), Arg::Ptr(gate.ptr), Arg::I32((nh * d) as i32)],
-        )?;
-        aw.o_proj.matvec(g, attn.ptr, sc.out.ptr)
+        // attn * sigmoid(gate), applied by o_proj as it stages its input.
+        aw.o_proj.matvec_to(g, MatvecInput::MulSigmoid(attn.ptr, gate.ptr), out)
     }
 
     /// The MoE block of the step on `sc.inp` into `sc.out` (see the module docs for the handshake).
@@ -1063,9 +1049,19 @@ impl CudaModel {
         let [logits, sg, su, shared, sgate, ahead] = &sc.big;
         let mb = &sc.moe;
         let resident = mb.map.is_some();
-        // The router and the shared expert's gate (both 8-bit in MLX conversions; the gate is read
-        // only by the combination) in one launch where their formats match.
-        matvec_many(g, sc.inp.ptr, &[(&m.gate, logits.ptr), (&m.shared_expert_gate, sgate.ptr)])?;
+        // The router, the shared expert's gate (both 8-bit in MLX conversions; the gate is read only
+        // by the combination) and the shared expert's gate and up projections (4-bit) in one launch
+        // where the tiled kernels take all four.
+        matvec_many(
+            g,
+            sc.inp.ptr,
+            &[
+                (&m.gate, logits.ptr),
+                (&m.shared_expert_gate, sgate.ptr),
+                (&m.shared_gate_proj, sg.ptr),
+                (&m.shared_up_proj, su.ptr),
+            ],
+        )?;
         let bias = self.upload_bias(mb, l, 0)?;
         let (table, ranks, weights) = (mb.tables.at(l * k * 8), mb.ranks.at(l * k * 4), mb.weights.at(l * k * 4));
         self.route(
@@ -1099,10 +1095,9 @@ impl CudaModel {
             }
             g.record(&ev[0])?;
         }
-        // The shared expert runs while the host reads the routing.
-        matvec_many(g, sc.inp.ptr, &[(&m.shared_gate_proj, sg.ptr), (&m.shared_up_proj, su.ptr)])?;
-        // silu(gate) * up, applied by the down projection as it stages its input.
-        m.shared_down_proj.matvec_in(g, crate::weights::MatvecInput::SiluMul(sg.ptr, su.ptr), shared.ptr)?;
+        // The shared expert's down projection runs while the host reads the routing: silu(gate) * up,
+        // applied as it stages its input.
+        m.shared_down_proj.matvec_in(g, MatvecInput::SiluMul(sg.ptr, su.ptr), shared.ptr)?;
         st.routed.push(l);
         let layout = &self.store.manifest.experts.layers[l];
         let combine = |gpu: &Gpu| {

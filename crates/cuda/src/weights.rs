@@ -34,31 +34,68 @@ pub enum MatvecInput {
     SiluScaled(u64, f32),
     /// silu(a) * b (the shared expert: silu(gate) * up; `silu_mul` in ops.cu).
     SiluMul(u64, u64),
+    /// a * sigmoid(b) (the attention output gate; `mul_sigmoid` in ops.cu).
+    MulSigmoid(u64, u64),
 }
 
 impl MatvecInput {
     /// The (first) input vector.
     pub fn x(self) -> u64 {
         match self {
-            MatvecInput::Plain(x) | MatvecInput::SiluScaled(x, _) | MatvecInput::SiluMul(x, _) => x,
+            MatvecInput::Plain(x)
+            | MatvecInput::SiluScaled(x, _)
+            | MatvecInput::SiluMul(x, _)
+            | MatvecInput::MulSigmoid(x, _) => x,
         }
     }
 
     /// The kernels' transform arguments (x2, xs, op): `op` is `MV_IN_PLAIN` (0), `MV_IN_SILU_SCALED`
-    /// (1) or `MV_IN_SILU_MUL` (2) of linear.cu.
+    /// (1), `MV_IN_SILU_MUL` (2) or `MV_IN_MUL_SIGMOID` (3) of linear.cu.
     fn args(self) -> [Arg; 3] {
         match self {
             MatvecInput::Plain(_) => [Arg::Ptr(0), Arg::F32(0.0), Arg::I32(0)],
             MatvecInput::SiluScaled(_, s) => [Arg::Ptr(0), Arg::F32(s), Arg::I32(1)],
             MatvecInput::SiluMul(_, b) => [Arg::Ptr(b), Arg::F32(0.0), Arg::I32(2)],
+            MatvecInput::MulSigmoid(_, b) => [Arg::Ptr(b), Arg::F32(0.0), Arg::I32(3)],
         }
     }
+}
+
+/// Where a matvec's rows go.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum MatvecOutput {
+    /// y (rows floats).
+    Store(u64),
+    /// Injected into the hyper-connection residual `x` (hc streams of rows floats), as `hc_inject`
+    /// does: x[s rows + j] += 2 sigmoid(inj[s] / hc) y[j]. The `matvec_q*` kernels do it as they
+    /// write each row; where the split or float kernels run instead, y goes to `scratch` first and
+    /// `hc_inject` follows.
+    Inject { x: u64, inj: u64, hc: usize, scratch: u64 },
 }
 
 impl DevLinear {
     /// y = W x (x: cols floats, y: rows floats).
     pub fn matvec(&self, gpu: &Gpu, x: u64, y: u64) -> Result<()> {
         self.matvec_in(gpu, MatvecInput::Plain(x), y)
+    }
+
+    /// W in(x), into `out` ([`MatvecOutput`]).
+    pub fn matvec_to(&self, gpu: &Gpu, input: MatvecInput, out: MatvecOutput) -> Result<()> {
+        match out {
+            MatvecOutput::Store(y) => self.matvec_in(gpu, input, y),
+            MatvecOutput::Inject { x, inj, hc, scratch } => {
+                if self.launch_matvec(gpu, input, scratch, Some((x, inj, hc)))? {
+                    return Ok(());
+                }
+                gpu.launch(
+                    "hc_inject",
+                    (blocks(hc * self.rows, 256), 1, 1),
+                    256,
+                    0,
+                    &[Arg::Ptr(x), Arg::Ptr(inj), Arg::Ptr(scratch), Arg::I32(hc as i32), Arg::I32(self.rows as i32)],
+                )
+            }
+        }
     }
 
     /// y = W in(x) for an input transform `in` ([`MatvecInput`]; its vectors are cols floats), applied
@@ -74,13 +111,20 @@ impl DevLinear {
     /// the tiled kernel of `linear.cu`: tiles of 4 rows, `L` lanes per tile (`rpb` = `MV_TILED | L`,
     /// see [`tile_plan`]), x staged once per block and the blocks looping over the tiles. When that
     /// gives fewer blocks than multiprocessors (few rows, many columns) the columns are split across
-    /// blocks instead ([`split_plan`], through `matvec_many_q*` with one part). Other precisions
+    /// blocks instead ([`split_plan`], through `matvec_many` with one part). Other precisions
     /// and shapes keep the kernels with rows per block (`rpb` = rows) or one warp per row.
     pub fn matvec_in(&self, gpu: &Gpu, input: MatvecInput, y: u64) -> Result<()> {
+        self.launch_matvec(gpu, input, y, None).map(|_| ())
+    }
+
+    /// [`DevLinear::matvec_in`], with `inject` = (x, inj, hc) passed to the `matvec_q*` kernels
+    /// ([`MatvecOutput::Inject`]); whether the rows were injected (else they are in `y`).
+    fn launch_matvec(&self, gpu: &Gpu, input: MatvecInput, y: u64, inject: Option<(u64, u64, usize)>) -> Result<bool> {
         if self.cols * 4 > MAX_STAGED_X {
             bail!("a linear of {} inputs is wider than the kernels' staging limit", self.cols);
         }
         let (x, [x2, xs, op]) = (input.x(), input.args());
+        let (xres, inj, hc) = inject.unwrap_or((0, 0, 0));
         let args = |gs: usize, rpb: usize| {
             [
                 Arg::Ptr(self.data),
@@ -95,8 +139,12 @@ impl DevLinear {
                 x2,
                 xs,
                 op,
+                Arg::Ptr(xres),
+                Arg::Ptr(inj),
+                Arg::I32(hc as i32),
             ]
         };
+        let injected = inject.is_some();
         let rpb = rows_per_block(self.rows, BLOCKS_WANTED);
         let staged = (self.cols * 4) as u32;
         match self.precision {
@@ -110,43 +158,47 @@ impl DevLinear {
                         // Too few blocks to fill the GPU: split the columns (one-part matvec_many).
                         let split = split_plan(gpu, self.rows, self.cols, bits, group_size);
                         if split.slices > 1 {
-                            return launch_many(gpu, input, &[(self, y)], &[split]);
+                            return launch_many(gpu, input, &[(self, y)], &[split]).map(|()| false);
                         }
                     }
                     let a = args(group_size, MV_TILED | plan.lanes);
-                    return gpu.launch(&name, (plan.blocks as u32, 1, 1), plan.threads as u32, shmem as u32, &a);
+                    gpu.launch(&name, (plan.blocks as u32, 1, 1), plan.threads as u32, shmem as u32, &a)?;
+                    return Ok(injected);
                 }
                 if matches!(bits, 2 | 4 | 8) {
-                    gpu.launch(&name, (blocks(self.rows, rpb), 1, 1), 256, staged, &args(group_size, rpb))
+                    gpu.launch(&name, (blocks(self.rows, rpb), 1, 1), 256, staged, &args(group_size, rpb))?;
                 } else if matches!(input, MatvecInput::Plain(_)) {
-                    gpu.launch(&name, (blocks(self.rows * 32, 128), 1, 1), 128, 0, &args(group_size, rpb))
+                    gpu.launch(&name, (blocks(self.rows * 32, 128), 1, 1), 128, 0, &args(group_size, rpb))?;
                 } else {
                     // in(x) staged with one float of padding per 32 (matvec_affine_in).
                     let padded = (self.cols + self.cols / 32) * 4;
                     if padded > MAX_STAGED_X {
-                        return self.matvec_unfused(gpu, input, y);
+                        return self.matvec_unfused(gpu, input, y).map(|()| false);
                     }
-                    gpu.launch(&name, (blocks(self.rows, rpb), 1, 1), 256, padded as u32, &args(group_size, rpb))
+                    gpu.launch(&name, (blocks(self.rows, rpb), 1, 1), 256, padded as u32, &args(group_size, rpb))?;
                 }
+                Ok(injected)
             }
-            Precision::Float { dtype } => gpu.launch(
-                "matvec_float",
-                (blocks(self.rows, rpb), 1, 1),
-                256,
-                staged,
-                &[
-                    Arg::Ptr(self.data),
-                    Arg::Ptr(x),
-                    Arg::Ptr(y),
-                    Arg::I32(self.rows as i32),
-                    Arg::I32(self.cols as i32),
-                    Arg::I32(dtype_code(dtype)?),
-                    Arg::I32(rpb as i32),
-                    x2,
-                    xs,
-                    op,
-                ],
-            ),
+            Precision::Float { dtype } => gpu
+                .launch(
+                    "matvec_float",
+                    (blocks(self.rows, rpb), 1, 1),
+                    256,
+                    staged,
+                    &[
+                        Arg::Ptr(self.data),
+                        Arg::Ptr(x),
+                        Arg::Ptr(y),
+                        Arg::I32(self.rows as i32),
+                        Arg::I32(self.cols as i32),
+                        Arg::I32(dtype_code(dtype)?),
+                        Arg::I32(rpb as i32),
+                        x2,
+                        xs,
+                        op,
+                    ],
+                )
+                .map(|()| false),
         }
     }
 
@@ -166,6 +218,13 @@ impl DevLinear {
             MatvecInput::SiluMul(a, b) => {
                 gpu.launch("silu_mul", (blocks(n, 256), 1, 1), 256, 0, &[Arg::Ptr(a), Arg::Ptr(b), Arg::I32(n as i32)])?
             }
+            MatvecInput::MulSigmoid(a, b) => gpu.launch(
+                "mul_sigmoid",
+                (blocks(n, 256), 1, 1),
+                256,
+                0,
+                &[Arg::Ptr(a), Arg::Ptr(b), Arg::I32(n as i32)],
+            )?,
         }
         self.matvec(gpu, input.x(), y)
     }
@@ -335,31 +394,26 @@ pub fn split_plan(gpu: &Gpu, rows: usize, cols: usize, bits: u32, gs: usize) -> 
     SplitPlan { slices: k, plan, shmem: shmem_of(k) }
 }
 
-/// One launch of `matvec_many_q{bits}` for up to `MV_PARTS` matrices of one format and input
-/// (checked by the callers), with their split plans.
+/// One launch of `matvec_many` for up to `MV_PARTS` matrices of one input (`cols` inputs), each
+/// in a tiled format of its own, with their split plans.
 fn launch_many(gpu: &Gpu, input: MatvecInput, parts: &[(&DevLinear, u64)], plans: &[SplitPlan]) -> Result<()> {
-    let Precision::Affine { bits, group_size } = parts[0].0.precision else {
-        bail!("matvec_many takes affine matrices only");
-    };
     debug_assert!(!parts.is_empty() && parts.len() <= MV_PARTS && parts.len() == plans.len());
     let cols = parts[0].0.cols;
     // One block size for the launch: blocks per slice follow from it.
     let threads = plans.iter().map(|p| p.plan.threads).max().unwrap_or(32);
     let (sms, min_blocks) = (sms(gpu), 2);
     let [x2, xs, op] = input.args();
-    let mut args = vec![
-        Arg::Ptr(input.x()),
-        x2,
-        xs,
-        op,
-        Arg::I32(cols as i32),
-        Arg::I32(group_size as i32),
-        Arg::Ptr(gpu.split_scratch.ptr),
-    ];
+    let mut args = vec![Arg::Ptr(input.x()), x2, xs, op, Arg::I32(cols as i32), Arg::Ptr(gpu.split_scratch.ptr)];
     let (mut grid_x, mut shmem) = (1usize, 0usize);
     for i in 0..MV_PARTS {
         match parts.get(i) {
             Some(&(lin, y)) => {
+                let Precision::Affine { bits, group_size } = lin.precision else {
+                    bail!("matvec_many takes affine matrices only");
+                };
+                if lin.cols != cols {
+                    bail!("matvec_many: parts of {} and {} inputs", cols, lin.cols);
+                }
                 let sp = plans[i];
                 let tiles = lin.rows.div_ceil(MV_R);
                 let per_sm_blocks = (SM_SHARED / (sp.shmem + 2048)).clamp(1, min_blocks);
@@ -375,6 +429,8 @@ fn launch_many(gpu: &Gpu, input: MatvecInput, parts: &[(&DevLinear, u64)], plans
                     Arg::I32(sp.plan.lanes as i32),
                     Arg::I32(nb as i32),
                     Arg::I32(sp.slices as i32),
+                    Arg::I32(bits as i32),
+                    Arg::I32(group_size as i32),
                 ]);
             }
             None => args.extend([
@@ -386,38 +442,33 @@ fn launch_many(gpu: &Gpu, input: MatvecInput, parts: &[(&DevLinear, u64)], plans
                 Arg::I32(1),
                 Arg::I32(0),
                 Arg::I32(1),
+                Arg::I32(4),
+                Arg::I32(64),
             ]),
         }
     }
-    gpu.launch(
-        &format!("matvec_many_q{bits}"),
-        (grid_x as u32, parts.len() as u32, 1),
-        threads as u32,
-        shmem as u32,
-        &args,
-    )
+    gpu.launch("matvec_many", (grid_x as u32, parts.len() as u32, 1), threads as u32, shmem as u32, &args)
 }
 
 /// y_i = W_i x for every part (W_i, y_i) of one input x: one launch per `MV_PARTS` parts when all
-/// share an affine 2-, 4- or 8-bit format (bits, group size, inputs) the tiled kernels take, each
-/// part with its own lanes, blocks and column split (`split_plan`); otherwise one
-/// [`DevLinear::matvec`] per part.
+/// are affine 2-, 4- or 8-bit matrices of the same inputs that the tiled kernels take (their
+/// formats may differ), each part with its own lanes, blocks and column split (`split_plan`);
+/// otherwise one [`DevLinear::matvec`] per part.
 pub fn matvec_many(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)]) -> Result<()> {
     let Some(&(first, _)) = parts.first() else { return Ok(()) };
-    let fused = parts.len() > 1
-        && parts
-            .iter()
-            .all(|(l, _)| l.precision == first.precision && l.cols == first.cols && l.tiled_shmem().is_some());
+    let fused = parts.len() > 1 && parts.iter().all(|(l, _)| l.cols == first.cols && l.tiled_shmem().is_some());
     if !fused {
         for &(l, y) in parts {
             l.matvec(gpu, x, y)?;
         }
         return Ok(());
     }
-    let Precision::Affine { bits, group_size } = first.precision else { unreachable!("tiled formats are affine") };
     for group in parts.chunks(MV_PARTS) {
-        let plans: Vec<SplitPlan> =
-            group.iter().map(|(l, _)| split_plan(gpu, l.rows, l.cols, bits, group_size)).collect();
+        let mut plans = Vec::with_capacity(group.len());
+        for (l, _) in group {
+            let Precision::Affine { bits, group_size } = l.precision else { unreachable!("tiled formats are affine") };
+            plans.push(split_plan(gpu, l.rows, l.cols, bits, group_size));
+        }
         launch_many(gpu, MatvecInput::Plain(x), group, &plans)?;
     }
     Ok(())

@@ -45,11 +45,30 @@ __device__ __forceinline__ const float* gdn_stage_qk(const float* qkv, float* sh
     return qkv + (size_t)2 * nk * dk + (size_t)hv * dv;
 }
 
+// Gated RMSNorm of value head hv's output, in place, by the whole block (after a __syncthreads that
+// makes the head's outputs visible): o = w * (o / rms(o)) * act(z); act 0 = sigmoid, 1 = silu.
+__device__ __forceinline__ void gdn_gated_norm(float* o, const float* z, const float* w, int hv, int dv, float eps,
+                                               int act) {
+    __shared__ float nscratch[32];
+    float* h = o + (size_t)hv * dv;
+    const float* zh = z + (size_t)hv * dv;
+    float ss = 0.0f;
+    for (int j = threadIdx.x; j < dv; j += blockDim.x) ss += h[j] * h[j];
+    ss = block_sum(ss, nscratch);
+    const float inv = rsqrtf(ss / (float)dv + eps);
+    for (int j = threadIdx.x; j < dv; j += blockDim.x) {
+        const float gate = act == 0 ? sigmoidf_(zh[j]) : siluf_(zh[j]);
+        h[j] = w[j] * (h[j] * inv) * gate;
+    }
+}
+
 // The recurrence for one token; one block per value head, one thread per value lane (blockDim = dv).
 //   S *= exp(g); delta = beta (v - S^T k); S += k delta^T; y = S^T q
-// with beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias).
+// with beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias); then the gated output norm of the
+// head (gdn_gated_norm), so `out` holds norm(y) * act(z).
 extern "C" __global__ void gdn_recurrent(const float* qkv, const float* a, const float* b, const float* A_log,
-                                         const float* dt_bias, float* S, float* out, int nk, int nv, int dk, int dv) {
+                                         const float* dt_bias, float* S, float* out, int nk, int nv, int dk, int dv,
+                                         const float* z, const float* norm_w, float eps, int act) {
     grid_enter();
     extern __shared__ float sh[];  // q then k of this head's key head: 2 * dk floats
     const int hv = blockIdx.x;
@@ -76,6 +95,8 @@ extern "C" __global__ void gdn_recurrent(const float* qkv, const float* a, const
         }
         out[(size_t)hv * dv + j] = y;
     }
+    __syncthreads();
+    gdn_gated_norm(out, z, norm_w, hv, dv, eps, act);
 }
 
 // gdn_recurrent with each column of S split over GDN_SPLIT threads that keep their rows in registers:
@@ -86,7 +107,8 @@ extern "C" __global__ void gdn_recurrent(const float* qkv, const float* a, const
 #define GDN_SPLIT 4
 #define GDN_MAX_ROWS 32
 extern "C" __global__ void gdn_recurrent_split(const float* qkv, const float* a, const float* b, const float* A_log,
-                                               const float* dt_bias, float* S, float* out, int nk, int nv, int dk, int dv) {
+                                               const float* dt_bias, float* S, float* out, int nk, int nv, int dk, int dv,
+                                               const float* z, const float* norm_w, float eps, int act) {
     grid_enter();
     extern __shared__ float sh[];
     const int hv = blockIdx.x;
@@ -130,20 +152,6 @@ extern "C" __global__ void gdn_recurrent_split(const float* qkv, const float* a,
         for (int p = 0; p < GDN_SPLIT; p++) y += part[p * dv + j];
         out[(size_t)hv * dv + j] = y;
     }
-}
-
-// Gated RMSNorm per value head (one block each): o = w * (o / rms(o)) * act(z); act 0 = sigmoid, 1 = silu.
-extern "C" __global__ void gdn_out_norm(float* o, const float* z, const float* w, int dv, float eps, int act) {
-    grid_enter();
-    __shared__ float scratch[32];
-    float* h = o + (size_t)blockIdx.x * dv;
-    const float* zh = z + (size_t)blockIdx.x * dv;
-    float ss = 0.0f;
-    for (int j = threadIdx.x; j < dv; j += blockDim.x) ss += h[j] * h[j];
-    ss = block_sum(ss, scratch);
-    const float inv = rsqrtf(ss / (float)dv + eps);
-    for (int j = threadIdx.x; j < dv; j += blockDim.x) {
-        const float gate = act == 0 ? sigmoidf_(zh[j]) : siluf_(zh[j]);
-        h[j] = w[j] * (h[j] * inv) * gate;
-    }
+    __syncthreads();
+    gdn_gated_norm(out, z, norm_w, hv, dv, eps, act);
 }

@@ -6,13 +6,15 @@
 // Every matvec kernel takes (x2, xs, op) next to x and multiplies W by in(x) instead of x:
 // MV_IN_PLAIN: x; MV_IN_SILU_SCALED: silu(x * xs) (the hyper-connection read's silu(W_down n / hc),
 // the expression of scale_silu in ops.cu); MV_IN_SILU_MUL: silu(x) * x2 (the shared expert's
-// silu(gate) * up, the expression of silu_mul). The tiled kernels' per-unit sums are sums of in(x).
+// silu(gate) * up, the expression of silu_mul); MV_IN_MUL_SIGMOID: x * sigmoid(x2) (the attention
+// output gate, the expression of mul_sigmoid). The tiled kernels' per-unit sums are sums of in(x).
 #define MV_IN_PLAIN 0
 #define MV_IN_SILU_SCALED 1
 #define MV_IN_SILU_MUL 2
+#define MV_IN_MUL_SIGMOID 3
 
 struct MvIn {
-    const float* x2;  // MV_IN_SILU_MUL: the second input (indexed like x)
+    const float* x2;  // MV_IN_SILU_MUL, MV_IN_MUL_SIGMOID: the second input (indexed like x)
     float s;          // MV_IN_SILU_SCALED: the scale
     int op;
 };
@@ -21,16 +23,23 @@ struct MvIn {
 
 // in(x) for one element (v = x[j], v2 = x2[j], read only for MV_IN_SILU_MUL).
 __device__ __forceinline__ float mv_in(float v, float v2, const MvIn& in) {
-    return in.op == MV_IN_SILU_SCALED ? siluf_(v * in.s) : in.op == MV_IN_SILU_MUL ? siluf_(v) * v2 : v;
+    return in.op == MV_IN_SILU_SCALED ? siluf_(v * in.s)
+           : in.op == MV_IN_SILU_MUL   ? siluf_(v) * v2
+           : in.op == MV_IN_MUL_SIGMOID ? v * sigmoidf_(v2)
+                                        : v;
+}
+
+__device__ __forceinline__ bool mv_in_two(const MvIn& in) {
+    return in.op == MV_IN_SILU_MUL || in.op == MV_IN_MUL_SIGMOID;
 }
 
 __device__ __forceinline__ float mv_in_at(const float* __restrict__ x, const MvIn& in, int j) {
-    return mv_in(x[j], in.op == MV_IN_SILU_MUL ? in.x2[j] : 0.0f, in);
+    return mv_in(x[j], mv_in_two(in) ? in.x2[j] : 0.0f, in);
 }
 
 // The transform of a column slice starting at input j0.
 __device__ __forceinline__ MvIn mv_in_offset(MvIn in, size_t j0) {
-    if (in.op == MV_IN_SILU_MUL) in.x2 += j0;
+    if (mv_in_two(in)) in.x2 += j0;
     return in;
 }
 
@@ -44,15 +53,35 @@ __device__ __forceinline__ void stage_x_in(const float* __restrict__ x, const Mv
     __syncthreads();
 }
 
+// ---- Outputs: where a matvec_q* row goes. ----
+//
+// y[row] = v, or with `xres` (the hyper-connection residual: hc streams of `rows` floats) v injected
+// into every stream instead, as hc_inject (ops.cu) does: xres[s * rows + row] += 2 sigmoid(inj[s] /
+// hc) v. Every matvec_q* kernel ends with (xres, inj, hc); DevLinear::matvec_inject passes them.
+struct MvOut {
+    float* y;
+    float* xres;
+    const float* inj;
+    int hc;
+};
+
+__device__ __forceinline__ void mv_out(const MvOut& o, int row, int rows, float v) {
+    if (o.xres) {
+        for (int s = 0; s < o.hc; s++) o.xres[(size_t)s * rows + row] += 2.0f * sigmoidf_(o.inj[s] / (float)o.hc) * v;
+    } else {
+        o.y[row] = v;
+    }
+}
+
 template <int BITS>
 __device__ __forceinline__ void matvec_affine(const u32* __restrict__ W, const u16* __restrict__ S,
                                               const u16* __restrict__ B, const float* __restrict__ x,
-                                              float* __restrict__ y, int rows, int cols, int gs) {
+                                              const MvOut y, int rows, int cols, int gs) {
     const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     if (row >= rows) return;
     const int wpr = cols * BITS / 32, gpr = cols / gs;
     const float v = affine_row_dot<BITS>(W + (size_t)row * wpr, S + (size_t)row * gpr, B + (size_t)row * gpr, x, cols, gs);
-    if ((threadIdx.x & 31) == 0) y[row] = v;
+    if ((threadIdx.x & 31) == 0) mv_out(y, row, rows, v);
 }
 
 // Any width with a transformed input: in(x) is staged once per block (`rpb` rows per block), padded
@@ -62,7 +91,7 @@ __device__ __forceinline__ void matvec_affine(const u32* __restrict__ W, const u
 template <int BITS>
 __device__ __forceinline__ void matvec_affine_in(const u32* __restrict__ W, const u16* __restrict__ S,
                                                  const u16* __restrict__ B, const float* __restrict__ x,
-                                                 const MvIn in, float* __restrict__ y, int rows, int cols, int gs,
+                                                 const MvIn in, const MvOut y, int rows, int cols, int gs,
                                                  int rpb) {
     extern __shared__ float mv_sxp[];
     for (int i = threadIdx.x; i < cols; i += blockDim.x) mv_sxp[i + (i >> 5)] = mv_in_at(x, in, i);
@@ -90,7 +119,7 @@ __device__ __forceinline__ void matvec_affine_in(const u32* __restrict__ W, cons
             acc += bf16f(scales[g]) * sq + bf16f(biases[g]) * sxs;
         }
         acc = warp_sum(acc);
-        if (lane == 0) y[row] = acc;
+        if (lane == 0) mv_out(y, row, rows, acc);
     }
 }
 
@@ -102,7 +131,7 @@ __device__ __forceinline__ void matvec_affine_in(const u32* __restrict__ W, cons
 template <int BITS>
 __device__ __forceinline__ void matvec_affine_sx(const u32* __restrict__ W, const u16* __restrict__ S,
                                                  const u16* __restrict__ B, const float* __restrict__ x,
-                                                 const MvIn in, float* __restrict__ y, int rows, int cols, int gs,
+                                                 const MvIn in, const MvOut y, int rows, int cols, int gs,
                                                  int rpb) {
     extern __shared__ float sx[];
     stage_x_in(x, in, sx, cols);
@@ -112,7 +141,7 @@ __device__ __forceinline__ void matvec_affine_sx(const u32* __restrict__ W, cons
     for (int row = blockIdx.x * rpb + warp; row < end; row += warps) {
         const float v =
             affine_row_dot_sx<BITS>(W + (size_t)row * wpr, S + (size_t)row * gpr, B + (size_t)row * gpr, sx, cols, gs);
-        if ((threadIdx.x & 31) == 0) y[row] = v;
+        if ((threadIdx.x & 31) == 0) mv_out(y, row, rows, v);
     }
 }
 
@@ -235,7 +264,7 @@ __device__ __forceinline__ void mv_stage(const float* __restrict__ x, const MvIn
             v = mv_ld4(x, i, aligned);
             if (in.op != MV_IN_PLAIN) {
                 float4 v2 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                if (in.op == MV_IN_SILU_MUL) v2 = mv_ld4(in.x2, i, aligned2);
+                if (mv_in_two(in)) v2 = mv_ld4(in.x2, i, aligned2);
                 v = make_float4(mv_in(v.x, v2.x, in), mv_in(v.y, v2.y, in), mv_in(v.z, v2.z, in), mv_in(v.w, v2.w, in));
             }
         }
@@ -423,7 +452,7 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
 template <int BITS>
 __device__ __forceinline__ void matvec_tiled(const u32* __restrict__ W, const u16* __restrict__ S,
                                              const u16* __restrict__ B, const float* __restrict__ x,
-                                             const MvIn in, float* __restrict__ y, int rows, int cols, int gs, int L) {
+                                             const MvIn in, const MvOut y, int rows, int cols, int gs, int L) {
     typedef MvFmt<BITS> F;
     const int C = cols / F::CPC, gpr = cols / gs, gshift = __ffs(gs) - 1;
     const MvMat a{(const uint4*)W, S, B};
@@ -431,14 +460,14 @@ __device__ __forceinline__ void matvec_tiled(const u32* __restrict__ W, const u1
                             [&](int tile, const float* v) {
 #pragma unroll
                                 for (int i = 0; i < MV_R; i++) {
-                                    if (tile * MV_R + i < rows) y[tile * MV_R + i] = v[i];
+                                    if (tile * MV_R + i < rows) mv_out(y, tile * MV_R + i, rows, v[i]);
                                 }
                             });
 }
 
 // ---- Several matrices of one input in one launch, columns optionally split across blocks. ----
 //
-// Part p (blockIdx.y; up to MV_PARTS parts, all of one format and `cols` inputs) is the matrix
+// Part p (blockIdx.y; up to MV_PARTS parts of `cols` inputs, each of its own format) is the matrix
 // (W_p, S_p, B_p) of r_p rows into y_p, run by the tiled core with l_p lanes per tile and n_p blocks
 // per column slice, over k_p column slices (blockIdx.x = slice * n_p + block; blocks beyond k_p n_p
 // leave at once). With k_p = 1 the tiles write y_p directly. With k_p > 1 each slice stages only its
@@ -491,34 +520,51 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
     }
 }
 
-// MINB is 2 for every width (the part selection costs the 4-bit kernel its fit in 85 registers);
-// DevLinear's planning knows it.
-#define MV_PART_ARGS(i) \
-    const u32 *W##i, const u16 *S##i, const u16 *Bi##i, float *y##i, int r##i, int l##i, int n##i, int k##i
+// One kernel for every part format: part p's bits b_p (2, 4 or 8) and group size g_p pick its
+// instantiation of the tiled core, so matrices of different formats that read one input (the router
+// at 8 bits and the shared expert at 4) share a launch. At least 2 blocks of 256 threads per
+// multiprocessor (the register budget of the widest instantiation); DevLinear's planning knows it.
+#define MV_PART_ARGS(i)                                                                                       \
+    const u32 *W##i, const u16 *S##i, const u16 *Bi##i, float *y##i, int r##i, int l##i, int n##i, int k##i, \
+        int b##i, int g##i
 #define MV_SEL(v) (p == 0 ? v##0 : p == 1 ? v##1 : p == 2 ? v##2 : v##3)
 // (x2, xs, op): the input transform (MV_IN_*), applied to every part's x.
-#define MATVEC_MANY(NB, MINB)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256, MINB)                                                   \
-        matvec_many_q##NB(const float* x, const float* x2, float xs, int op, int cols, int gs, float* scratch, \
-                          MV_PART_ARGS(0), MV_PART_ARGS(1), MV_PART_ARGS(2), MV_PART_ARGS(3)) {                \
-        const int p = blockIdx.y;                                                                              \
-        grid_enter();                                                                                          \
-        matvec_many_part<NB>(x, MvIn{x2, xs, op}, cols, gs, scratch, MV_SEL(W), MV_SEL(S), MV_SEL(Bi),         \
-                             MV_SEL(y), MV_SEL(r), MV_SEL(l), MV_SEL(n), MV_SEL(k));                           \
+extern "C" __global__ void __launch_bounds__(256, 2)
+    matvec_many(const float* x, const float* x2, float xs, int op, int cols, float* scratch, MV_PART_ARGS(0),
+                MV_PART_ARGS(1), MV_PART_ARGS(2), MV_PART_ARGS(3)) {
+    const int p = blockIdx.y;
+    grid_enter();
+    const MvIn in{x2, xs, op};
+    switch (MV_SEL(b)) {
+        case 2:
+            matvec_many_part<2>(x, in, cols, MV_SEL(g), scratch, MV_SEL(W), MV_SEL(S), MV_SEL(Bi), MV_SEL(y),
+                                MV_SEL(r), MV_SEL(l), MV_SEL(n), MV_SEL(k));
+            break;
+        case 4:
+            matvec_many_part<4>(x, in, cols, MV_SEL(g), scratch, MV_SEL(W), MV_SEL(S), MV_SEL(Bi), MV_SEL(y),
+                                MV_SEL(r), MV_SEL(l), MV_SEL(n), MV_SEL(k));
+            break;
+        default:
+            matvec_many_part<8>(x, in, cols, MV_SEL(g), scratch, MV_SEL(W), MV_SEL(S), MV_SEL(Bi), MV_SEL(y),
+                                MV_SEL(r), MV_SEL(l), MV_SEL(n), MV_SEL(k));
+            break;
     }
+}
 
-// Every matvec_q* kernel ends with (x2, xs, op): the input transform (MV_IN_*).
+// Every matvec_q* kernel ends with (x2, xs, op): the input transform (MV_IN_*), then (xres, inj,
+// hc): the output (MvOut).
 // 3, 5 and 6 bits: one warp per row reading x from global memory (rpb unused) when op is
 // MV_IN_PLAIN, else matvec_affine_in with rpb rows per block.
 #define MATVEC_AFFINE(B)                                                                                       \
     extern "C" __global__ void matvec_q##B(const u32* W, const u16* S, const u16* Bi, const float* x, float* y, \
                                            int rows, int cols, int gs, int rpb, const float* x2, float xs,      \
-                                           int op) {                                                           \
+                                           int op, float* xres, const float* inj, int hc) {                    \
         grid_enter();                                                                                          \
+        const MvOut out{y, xres, inj, hc};                                                                     \
         if (op == MV_IN_PLAIN) {                                                                               \
-            matvec_affine<B>(W, S, Bi, x, y, rows, cols, gs);                                                  \
+            matvec_affine<B>(W, S, Bi, x, out, rows, cols, gs);                                                \
         } else {                                                                                               \
-            matvec_affine_in<B>(W, S, Bi, x, MvIn{x2, xs, op}, y, rows, cols, gs, rpb);                        \
+            matvec_affine_in<B>(W, S, Bi, x, MvIn{x2, xs, op}, out, rows, cols, gs, rpb);                      \
         }                                                                                                      \
     }
 // rpb = MV_TILED | L: the tiled kernel with L lanes per tile (DevLinear::matvec picks it whenever it
@@ -529,13 +575,14 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
 #define MATVEC_AFFINE_TILED(B, MINB)                                                                           \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                   \
         matvec_q##B(const u32* W, const u16* S, const u16* Bi, const float* x, float* y, int rows, int cols,   \
-                    int gs, int rpb, const float* x2, float xs, int op) {                                      \
+                    int gs, int rpb, const float* x2, float xs, int op, float* xres, const float* inj, int hc) { \
         const MvIn in{x2, xs, op};                                                                             \
+        const MvOut out{y, xres, inj, hc};                                                                     \
         grid_enter();                                                                                          \
         if (rpb & MV_TILED) {                                                                                  \
-            matvec_tiled<B>(W, S, Bi, x, in, y, rows, cols, gs, rpb & (MV_TILED - 1));                         \
+            matvec_tiled<B>(W, S, Bi, x, in, out, rows, cols, gs, rpb & (MV_TILED - 1));                       \
         } else {                                                                                               \
-            matvec_affine_sx<B>(W, S, Bi, x, in, y, rows, cols, gs, rpb);                                      \
+            matvec_affine_sx<B>(W, S, Bi, x, in, out, rows, cols, gs, rpb);                                    \
         }                                                                                                      \
     }
 MATVEC_AFFINE_TILED(2, 2)
@@ -544,9 +591,6 @@ MATVEC_AFFINE_TILED(4, 3)
 MATVEC_AFFINE(5)
 MATVEC_AFFINE(6)
 MATVEC_AFFINE_TILED(8, 3)
-MATVEC_MANY(2, 2)
-MATVEC_MANY(4, 2)
-MATVEC_MANY(8, 2)
 
 __device__ __forceinline__ void matvec_float_row_impl(const void* W, const float* x, float* y, int row, int cols, int dtype) {
     const int lane = threadIdx.x & 31;
