@@ -1,4 +1,6 @@
-"""Sums an `ncu --metrics gpu__time_duration.sum --csv` report per kernel (tools/gpu/profile.sh)."""
+"""Sums an `ncu --metrics gpu__time_duration.sum[,dram__bytes_read.sum] --csv` report per kernel
+(tools/gpu/profile-bench.sh): launches, time, and where the report has them DRAM bytes read and the
+bandwidth they make."""
 import csv, sys, collections
 rows = list(csv.reader(open(sys.argv[1])))
 hdr = None
@@ -8,14 +10,20 @@ for r in rows:
         hdr = r; continue
     if hdr and len(r) == len(hdr):
         data.append(dict(zip(hdr, r)))
-tot = collections.defaultdict(float); cnt = collections.Counter()
+SCALE = {'nsecond': 1, 'usecond': 1e3, 'msecond': 1e6, 'second': 1e9,
+         'byte': 1, 'Kbyte': 1e3, 'Mbyte': 1e6, 'Gbyte': 1e9}
+tot = collections.defaultdict(float); cnt = collections.Counter(); byt = collections.defaultdict(float)
 for d in data:
-    if d.get('Metric Name') != 'gpu__time_duration.sum': continue
-    v = float(d['Metric Value'].replace(',', ''))
-    unit = d.get('Metric Unit', 'nsecond')
-    ns = v * {'nsecond': 1, 'usecond': 1e3, 'msecond': 1e6, 'second': 1e9}.get(unit, 1)
-    tot[d['Kernel Name'].split('(')[0]] += ns; cnt[d['Kernel Name'].split('(')[0]] += 1
+    name = d['Kernel Name'].split('(')[0]
+    v = float(d['Metric Value'].replace(',', '')) * SCALE.get(d.get('Metric Unit', ''), 1)
+    if d.get('Metric Name') == 'gpu__time_duration.sum':
+        tot[name] += v; cnt[name] += 1
+    elif d.get('Metric Name') == 'dram__bytes_read.sum':
+        byt[name] += v
 n = sum(cnt.values()); s = sum(tot.values())
-print(f"{n} kernels, {s/1e6:.3f} ms GPU time in total")
+print(f"{n} kernels, {s/1e6:.3f} ms GPU time in total, {sum(byt.values())/1e6:.1f} MB read from DRAM")
 for k, v in sorted(tot.items(), key=lambda x: -x[1]):
-    print(f"{k:40s} {cnt[k]:6d} launches {v/1e3:10.1f} us  {v/cnt[k]/1e3:8.2f} us/launch")
+    line = f"{k:32s} {cnt[k]:6d} launches {v/1e3:10.1f} us  {v/cnt[k]/1e3:8.2f} us/launch"
+    if k in byt:
+        line += f"  {byt[k]/cnt[k]/1e6:8.2f} MB/launch  {byt[k]/v:7.0f} GB/s"
+    print(line)

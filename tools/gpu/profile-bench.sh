@@ -3,7 +3,9 @@
 # on the GPU machine: run tools/gpu/bench.sh first (it writes the store), carry the binary as for
 # tools/gpu/check.sh. Nsight Compute times each kernel alone, clocks left as they are; the launches
 # after the first $SKIP cover a few decode steps. Writes ncu-bench.csv and kernels-bench.txt into
-# $OUT (or ./profile-out).
+# $OUT (or ./profile-out). CACHE=none keeps the caches between kernels (ncu flushes them by default,
+# which makes small kernels look slower than in a replayed step); the table then also gives each
+# kernel's DRAM bytes and bandwidth.
 set -euo pipefail
 BIN=${BIN:-.carry/cherenkov}
 OUTDIR=${OUT:-profile-out}
@@ -17,6 +19,8 @@ for d in /usr/local/cuda/lib64 $(python3 -c 'import nvidia, os; print(os.path.jo
 done
 export CHERENKOV_HOME=${CHERENKOV_HOME:-$(mktemp -d)}
 RUN=("$BIN" run "$STORE" "Explain hash collisions." --backend cuda --temperature 0 --max-tokens 24)
-"$NCU" --clock-control none --metrics gpu__time_duration.sum --csv --launch-skip "$SKIP" --launch-count "$COUNT" \
+CACHE=${CACHE:-all}
+"$NCU" --clock-control none --cache-control "$CACHE" --metrics gpu__time_duration.sum,dram__bytes_read.sum \
+  --csv --launch-skip "$SKIP" --launch-count "$COUNT" \
   "${RUN[@]}" >"$OUTDIR/ncu-bench.csv" 2>"$OUTDIR/ncu-bench.err"
 python3 "$(dirname "$0")/kernel_times.py" "$OUTDIR/ncu-bench.csv" | tee "$OUTDIR/kernels-bench.txt"

@@ -247,9 +247,9 @@ impl CudaModel {
         for l in &store.manifest.experts.layers {
             expert_kernels(l)?;
         }
-        if c.num_experts > 2048 || c.num_experts_per_tok > 64 || c.num_experts_per_tok > c.num_experts {
+        if c.num_experts > 1024 || c.num_experts_per_tok > 64 || c.num_experts_per_tok > c.num_experts {
             bail!(
-                "{} experts top-{}: the CUDA router handles at most 2048 experts and top-64",
+                "{} experts top-{}: the CUDA router handles at most 1024 experts and top-64",
                 c.num_experts,
                 c.num_experts_per_tok
             );
@@ -1312,7 +1312,8 @@ impl CudaModel {
         self.gpu.launch(
             "route_topk",
             (1, 1, 1),
-            32,
+            // One thread per expert.
+            c.num_experts.next_multiple_of(32) as u32,
             0,
             &[
                 Arg::Ptr(logits),

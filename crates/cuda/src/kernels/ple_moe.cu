@@ -37,14 +37,14 @@ extern "C" __global__ void ple_conv(const float* gn, const float* gated, float* 
 
 // Router: top-k of v = logits + bias (bias may be null; see model_w below) by v, ties to the lower
 // id; weights are the softmax of v at the chosen experts, renormalised over them when `norm`. One
-// warp (E <= 32 * ROUTE_PER_LANE, k <= 64): lane l holds experts l, l + 32, ... and its own best;
-// each round the warp's argmax is the next expert and only its lane looks for a new best, so no
-// round needs shared memory or a block-wide barrier. Writes ids[k] and weights[k] in descending
-// weight, the ids also to `ids_host` (mapped host memory, may be null). With `map` (one
-// address-table entry per expert, the layer's resident experts; may be null) it also writes the
-// step's address table, in rank order, and rank_entry[r] = r: every chosen expert must be resident
-// then.
-#define ROUTE_PER_LANE 64
+// block, one thread per expert (E <= 1024, k <= ROUTE_MAX_K), and no serial rounds: the k-th
+// largest value is found by a bitwise search over order-preserving keys (32 block-wide counts),
+// the experts above it and the lowest-id ties at it are the chosen ones, and each finds its rank
+// among the k by comparing with the others. Writes ids[k] and weights[k] in descending weight, the
+// ids also to `ids_host` (mapped host memory, may be null). With `map` (one address-table entry per
+// expert, the layer's resident experts; may be null) it also writes the step's address table, in
+// rank order, and rank_entry[r] = r: every chosen expert must be resident then.
+#define ROUTE_MAX_K 64
 
 // Warp argmax of (v, i): largest v, ties to the lower i; every lane gets the result.
 __device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
@@ -59,87 +59,80 @@ __device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
     }
 }
 
-// The lane's best of its values (experts lane + 32 j), ties to the lower id.
-__device__ __forceinline__ void route_lane_best(const float* v, int lane, float& bv, int& bi) {
-    bv = NEG_INF;
-    bi = 0x7fffffff;
-#pragma unroll
-    for (int j = 0; j < ROUTE_PER_LANE; j++) {
-        if (v[j] > bv) {
-            bv = v[j];
-            bi = lane + 32 * j;
-        }
-    }
+// A key whose unsigned order is the order of the floats (-0 counts as +0).
+__device__ __forceinline__ u32 route_key(float v) {
+    const u32 u = __float_as_uint(v == 0.0f ? 0.0f : v);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
 extern "C" __global__ void route_topk(const float* logits, const float* bias, float model_w, int E, int k, int norm,
                                       int* ids, float* weights, int* ids_host, const u64* map, u64* table,
                                       int* rank_entry) {
     grid_enter();
-    const int lane = threadIdx.x & 31;
-    float v[ROUTE_PER_LANE];
+    __shared__ float scratch[32];
+    __shared__ int warp_ties[32];
+    __shared__ u32 chosen_key[ROUTE_MAX_K];
+    __shared__ int chosen_id[ROUTE_MAX_K];
+    __shared__ float chosen_p[ROUTE_MAX_K];
+    __shared__ int n_chosen;
+    const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
+    const bool valid = e < E;
+    const float l = valid ? logits[e] : 0.0f;
     // With a bias (synthetic routers), the logits count as model_w times their standard score
     // (engine::routing); the mean drops out of softmax and top-k.
     float scale = 1.0f;
     if (bias) {
-        float s1 = 0.0f, s2 = 0.0f;
-#pragma unroll
-        for (int j = 0; j < ROUTE_PER_LANE; j++) {
-            const int e = lane + 32 * j;
-            if (e < E) {
-                const float l = logits[e];
-                s1 += l;
-                s2 += l * l;
-            }
-        }
-        s1 = warp_sum(s1);
-        s2 = warp_sum(s2);
+        const float s1 = block_sum(l, scratch), s2 = block_sum(l * l, scratch);
         const float mean = s1 / (float)E, var = fmaxf(s2 / (float)E - mean * mean, 0.0f);
         scale = var > 0.0f ? model_w * rsqrtf(var) : 0.0f;
     }
-    float m = NEG_INF;
-#pragma unroll
-    for (int j = 0; j < ROUTE_PER_LANE; j++) {
-        const int e = lane + 32 * j;
-        v[j] = e < E ? scale * logits[e] + (bias ? bias[e] : 0.0f) : NEG_INF;
-        m = fmaxf(m, v[j]);
+    const float v = valid ? scale * l + (bias ? bias[e] : 0.0f) : NEG_INF;
+    const float m = block_max(v, scratch);
+    const float sum = block_sum(valid ? expf(v - m) : 0.0f, scratch);
+    if (e == 0) n_chosen = 0;
+    // The k-th largest key: the largest T with at least k keys >= T, bit by bit from the top.
+    const u32 key = valid ? route_key(v) : 0u;
+    u32 T = 0;
+    for (int b = 31; b >= 0; b--) {
+        const u32 cand = T | (1u << b);
+        if (__syncthreads_count(key >= cand) >= k) T = cand;
     }
-    m = warp_max(m);
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < ROUTE_PER_LANE; j++)
-        if (lane + 32 * j < E) sum += expf(v[j] - m);
-    sum = warp_sum(sum);
-    float lv;
-    int li;
-    route_lane_best(v, lane, lv, li);
-    float total = 0.0f;
-    for (int r = 0; r < k; r++) {
-        float bv = lv;
-        int bi = li;
-        warp_argmax(bv, bi);
-        if ((bi & 31) == lane) {
-            // This lane held the winner: drop it and find the lane's next best.
-#pragma unroll
-            for (int j = 0; j < ROUTE_PER_LANE; j++)
-                if (lane + 32 * j == bi) v[j] = NEG_INF;
-            route_lane_best(v, lane, lv, li);
-        }
-        const float p = expf(bv - m) / sum;
-        total += p;
-        if (lane == 0) {
-            ids[r] = bi;
-            weights[r] = p;
-            if (ids_host) ids_host[r] = bi;
-            if (map) {
-                table[r] = map[bi];
-                rank_entry[r] = r;
-            }
+    // Above T: chosen. At T: the lowest ids, as many as are missing.
+    const int above = __syncthreads_count(valid && key > T);
+    const bool tie = valid && key == T;
+    const u32 ties = __ballot_sync(0xffffffffu, tie);
+    if (lane == 0) warp_ties[warp] = __popc(ties);
+    __syncthreads();
+    int before = __popc(ties & ((1u << lane) - 1u));
+    for (int w = 0; w < warp; w++) before += warp_ties[w];
+    const bool chosen = (valid && key > T) || (tie && before < k - above);
+    if (chosen) {
+        const int slot = atomicAdd(&n_chosen, 1);
+        chosen_key[slot] = key;
+        chosen_id[slot] = e;
+    }
+    __syncthreads();
+    if (chosen) {
+        int rank = 0;
+        for (int i = 0; i < k; i++)
+            rank += chosen_key[i] > key || (chosen_key[i] == key && chosen_id[i] < e);
+        chosen_p[rank] = expf(v - m) / sum;
+        ids[rank] = e;
+        if (ids_host) ids_host[rank] = e;
+        if (map) {
+            table[rank] = map[e];
+            rank_entry[rank] = rank;
         }
     }
-    if (norm) {
-        __syncwarp();
-        for (int r = lane; r < k; r += 32) weights[r] /= total;
+    __syncthreads();
+    if (e < k) {
+        // Renormalised over the chosen experts, summed in rank order.
+        float total = 1.0f;
+        if (norm) {
+            total = 0.0f;
+            for (int r = 0; r < k; r++) total += chosen_p[r];
+        }
+        weights[e] = norm ? chosen_p[e] / total : chosen_p[e];
     }
 }
 
