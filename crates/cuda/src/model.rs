@@ -831,7 +831,12 @@ impl CudaModel {
         }
         // silu(low / hc) (as the CPU: silu(low * (1 / hc))), applied by the up projection as it
         // stages its input; `low` keeps the down projection.
-        hcw.input_mix_weight_up.matvec_in(g, MatvecInput::SiluScaled(sc.low.ptr, 1.0 / hc as f32), sc.mix.ptr)?;
+        let input = MatvecInput::SiluScaled(sc.low.ptr, 1.0 / hc as f32);
+        // The up projection and the mix in one launch where the kernel applies.
+        if crate::weights::hc_up_mix(g, &hcw.input_mix_weight_up, input, sc.normed.ptr, sc.inp.ptr, hc, h)? {
+            return Ok(());
+        }
+        hcw.input_mix_weight_up.matvec_in(g, input, sc.mix.ptr)?;
         g.launch(
             "hc_mix",
             (blocks(h, 256), 1, 1),

@@ -37,15 +37,25 @@ pub struct DeviceSlots {
     buf: DevBuf,
     slot_count: usize,
     record_bytes: usize,
-    /// Staging buffers and copy streams, one pair per concurrent load.
-    staging: Mutex<Vec<(Pinned, sys::CUstream)>>,
+    /// Staging buffers and copy streams (with two timing events around the copy), one per
+    /// concurrent load.
+    staging: Mutex<Vec<Staging>>,
     /// Where load time goes (see [`LoadSplit`]).
-    split: [AtomicU64; 5],
+    split: [AtomicU64; 6],
+}
+
+/// One concurrent load's staging buffer, copy stream and copy timing events.
+struct Staging {
+    pinned: Pinned,
+    stream: sys::CUstream,
+    start: sys::CUevent,
+    end: sys::CUevent,
 }
 
 /// Where the loads' time went, summed over loads (ns): reading the pieces into pinned memory,
 /// queueing the copy (the driver call), checking the sum (while the copy runs), and waiting for the
-/// copy after that.
+/// copy after that; and the copy as the GPU's events time it (from the point its stream reached it,
+/// which includes any wait for the copy engine behind other loads' copies, to its end).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LoadSplit {
     pub loads: u64,
@@ -53,6 +63,7 @@ pub struct LoadSplit {
     pub queue_ns: u64,
     pub verify_ns: u64,
     pub copy_wait_ns: u64,
+    pub copy_gpu_ns: u64,
 }
 
 // SAFETY: raw handles are used with the context bound; the pool serialises loads per slot.
@@ -75,7 +86,7 @@ impl DeviceSlots {
     /// Where the loads' time went so far.
     pub fn load_split(&self) -> LoadSplit {
         let g = |i: usize| self.split[i].load(Ordering::Relaxed);
-        LoadSplit { loads: g(0), read_ns: g(1), queue_ns: g(4), verify_ns: g(2), copy_wait_ns: g(3) }
+        LoadSplit { loads: g(0), read_ns: g(1), queue_ns: g(4), verify_ns: g(2), copy_wait_ns: g(3), copy_gpu_ns: g(5) }
     }
 
     /// Zeroes [`DeviceSlots::load_split`].
@@ -92,7 +103,7 @@ impl DeviceSlots {
         self.buf.bytes
     }
 
-    fn take_staging(&self) -> Result<(Pinned, sys::CUstream)> {
+    fn take_staging(&self) -> Result<Staging> {
         if let Some(s) = self.staging.lock().unwrap().pop() {
             return Ok(s);
         }
@@ -103,7 +114,11 @@ impl DeviceSlots {
             as *mut u8;
         let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
             .map_err(|e| anyhow!("cannot create a copy stream: {e}"))?;
-        Ok((Pinned { ptr, len: self.record_bytes }, stream))
+        let event = || {
+            cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+                .map_err(|e| anyhow!("cannot create a copy timing event: {e}"))
+        };
+        Ok(Staging { pinned: Pinned { ptr, len: self.record_bytes }, stream, start: event()?, end: event()? })
     }
 }
 
@@ -118,7 +133,8 @@ impl SlotMemory for DeviceSlots {
 
     fn load(&self, slot: usize, record: &dyn RecordSource) -> Result<()> {
         self.gpu.bind()?;
-        let (pinned, stream) = self.take_staging()?;
+        let staging = self.take_staging()?;
+        let (pinned, stream) = (&staging.pinned, staging.stream);
         // SAFETY: the pinned buffer is len bytes, owned by this call until returned below.
         let host = unsafe { std::slice::from_raw_parts_mut(pinned.ptr, pinned.len) };
         // The pieces are read in parallel (a record read from the page cache is a memory copy that
@@ -139,10 +155,13 @@ impl SlotMemory for DeviceSlots {
             })
             .and_then(|()| {
                 let t1 = Instant::now();
-                // SAFETY: the slot holds record_bytes; the copy is waited for before returning.
+                // SAFETY: the slot holds record_bytes; the copy is waited for before returning; the
+                // events belong to this context.
                 unsafe {
+                    cu::event::record(staging.start, stream).map_err(|e| anyhow!("cannot record an event: {e}"))?;
                     cu::memcpy_htod_async(self.slot_ptr(slot), &*host, stream)
                         .map_err(|e| anyhow!("copy of an expert record to the GPU failed: {e}"))?;
+                    cu::event::record(staging.end, stream).map_err(|e| anyhow!("cannot record an event: {e}"))?;
                 }
                 let queued = Instant::now();
                 let verified = if checked.is_some() { Ok(()) } else { record.verify(host) };
@@ -150,15 +169,19 @@ impl SlotMemory for DeviceSlots {
                 // SAFETY: the stream belongs to this context.
                 unsafe { cu::stream::synchronize(stream) }
                     .map_err(|e| anyhow!("copy of an expert record to the GPU failed: {e}"))?;
+                let done = Instant::now();
+                // SAFETY: both events were recorded on this stream and have completed.
+                let gpu_ms = unsafe { cu::event::elapsed(staging.start, staging.end) }.unwrap_or(0.0);
                 let ns = |a: Instant, b: Instant| b.duration_since(a).as_nanos() as u64;
+                self.split[5].fetch_add((gpu_ms as f64 * 1e6) as u64, Ordering::Relaxed);
                 self.split[0].fetch_add(1, Ordering::Relaxed);
                 self.split[1].fetch_add(ns(t0, t1), Ordering::Relaxed);
                 self.split[4].fetch_add(ns(t1, queued), Ordering::Relaxed);
                 self.split[2].fetch_add(ns(queued, t2), Ordering::Relaxed);
-                self.split[3].fetch_add(ns(t2, Instant::now()), Ordering::Relaxed);
+                self.split[3].fetch_add(ns(t2, done), Ordering::Relaxed);
                 verified
             });
-        self.staging.lock().unwrap().push((pinned, stream));
+        self.staging.lock().unwrap().push(staging);
         result
     }
 }
@@ -166,11 +189,13 @@ impl SlotMemory for DeviceSlots {
 impl Drop for DeviceSlots {
     fn drop(&mut self) {
         let _ = self.gpu.bind();
-        for (p, s) in self.staging.lock().unwrap().drain(..) {
+        for st in self.staging.lock().unwrap().drain(..) {
             // SAFETY: allocated above, freed once.
             unsafe {
-                let _ = cu::free_host(p.ptr as *mut c_void);
-                let _ = cu::stream::destroy(s);
+                let _ = cu::free_host(st.pinned.ptr as *mut c_void);
+                let _ = cu::stream::destroy(st.stream);
+                let _ = cu::event::destroy(st.start);
+                let _ = cu::event::destroy(st.end);
             }
         }
     }

@@ -474,6 +474,53 @@ pub fn matvec_many(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)]) -> Result<()>
     Ok(())
 }
 
+/// The hyper-connection read's up projection and mix in one launch (`hc_up_mix` in linear.cu):
+/// out[j] = mean over the 4 streams s of sigmoid((W_up in(x))[s h + j]) normed[s h + j]. Returns
+/// false, queueing nothing, where the kernel does not apply (other than 4 streams, or an up
+/// projection the tiled kernels do not take): the caller then runs the matvec and `hc_mix`.
+pub fn hc_up_mix(
+    gpu: &Gpu,
+    up: &DevLinear,
+    input: MatvecInput,
+    normed: u64,
+    out: u64,
+    hc: usize,
+    h: usize,
+) -> Result<bool> {
+    let (Precision::Affine { bits, group_size }, Some(shmem)) = (up.precision, up.tiled_shmem()) else {
+        return Ok(false);
+    };
+    if hc != MV_R || up.rows != hc * h {
+        return Ok(false);
+    }
+    // Tiles are columns of the output (one row of each stream); 2 blocks per multiprocessor.
+    let plan = tile_plan(gpu, h, up.cols / chunk_codes(bits), 1, 2, shmem);
+    let [x2, xs, op] = input.args();
+    gpu.launch(
+        "hc_up_mix",
+        (plan.blocks as u32, 1, 1),
+        plan.threads as u32,
+        shmem as u32,
+        &[
+            Arg::Ptr(up.data),
+            Arg::Ptr(up.scales),
+            Arg::Ptr(up.biases),
+            Arg::Ptr(input.x()),
+            x2,
+            xs,
+            op,
+            Arg::Ptr(normed),
+            Arg::Ptr(out),
+            Arg::I32(h as i32),
+            Arg::I32(up.cols as i32),
+            Arg::I32(group_size as i32),
+            Arg::I32(bits as i32),
+            Arg::I32(plan.lanes as i32),
+        ],
+    )?;
+    Ok(true)
+}
+
 /// Where the expert kernels read and write: x (hidden floats), act (entries x intermediate) and out
 /// (entries x hidden).
 #[derive(Clone, Copy, Debug)]

@@ -282,8 +282,12 @@ __device__ __forceinline__ void mv_stage(const float* __restrict__ x, const MvIn
 // Tile layouts of the tiled core. MV_PLAIN: tile t is rows 4t..4t+3 of matrix `a`. MV_GATE_UP:
 // tile t is rows 2t, 2t+1 of `a` (gate) and the same rows of `b` (up), so the thread that finishes
 // a tile holds both projections of its rows (the expert kernels write silu(gate) * up directly).
+// MV_STREAMS: tile t is row t of each of the 4 consecutive row blocks of `rows` rows (the
+// hyper-connection up projection: stream s's mix of column t is row s * rows + t), so the thread
+// that finishes a tile holds every stream's value of its column.
 #define MV_PLAIN 0
 #define MV_GATE_UP 1
+#define MV_STREAMS 2
 
 // A matrix (or a column slice of one) as the tiled core reads it: the slice's first 16-byte chunk
 // and first group of row 0; rows are C chunks and gpr groups apart.
@@ -303,8 +307,8 @@ __device__ __forceinline__ void mv_load(const MvMat& a, const MvMat& bm, int til
 #pragma unroll
         for (int i = 0; i < MV_R; i++) {
             const MvMat& m = (MODE == MV_GATE_UP && i >= 2) ? bm : a;
-            const int r = MODE == MV_GATE_UP ? tile * 2 + (i & 1) : tile * MV_R + i;
-            const size_t row = (size_t)min(r, rows - 1);
+            const int r = MODE == MV_GATE_UP ? tile * 2 + (i & 1) : MODE == MV_STREAMS ? tile : tile * MV_R + i;
+            const size_t row = (MODE == MV_STREAMS ? (size_t)i * rows : 0) + (size_t)min(r, rows - 1);
             w[i] = mv_ld_stream(m.w + row * C + c);
 #pragma unroll
             for (int p = 0; p < F::NSUB; p++) {
@@ -332,7 +336,7 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
 
     const int lshift = __ffs(L) - 1;              // L is a power of two
     const int nit = (Cs + L - 1) >> lshift;       // steps per tile
-    const int ntiles = MODE == MV_GATE_UP ? (rows + 1) / 2 : (rows + MV_R - 1) / MV_R;
+    const int ntiles = MODE == MV_GATE_UP ? (rows + 1) / 2 : MODE == MV_STREAMS ? rows : (rows + MV_R - 1) / MV_R;
     const int t = threadIdx.x;
     // A unit is a warp (L <= 32) or the block (L > 32); it covers `tpu` tiles per pass.
     int unit, nunits, tpu, tin;
@@ -547,6 +551,43 @@ extern "C" __global__ void __launch_bounds__(256, 2)
         default:
             matvec_many_part<8>(x, in, cols, MV_SEL(g), scratch, MV_SEL(W), MV_SEL(S), MV_SEL(Bi), MV_SEL(y),
                                 MV_SEL(r), MV_SEL(l), MV_SEL(n), MV_SEL(k));
+            break;
+    }
+}
+
+// The hyper-connection read's up projection and mix in one launch (4 streams): the tiled core in
+// MV_STREAMS tiles over W_up [4 H, r] and in(x) (the transform: silu(low / hc)), and each finished
+// tile t writes out[t] = mean over streams s of sigmoid(mix_s[t]) * normed[s H + t], the
+// expression of hc_mix (ops.cu), without storing the mix.
+template <int BITS>
+__device__ __forceinline__ void hc_up_mix_impl(const u32* W, const u16* S, const u16* B, const float* x, const MvIn in,
+                                               const float* normed, float* out, int H, int cols, int gs, int L) {
+    typedef MvFmt<BITS> F;
+    const int C = cols / F::CPC, gpr = cols / gs, gshift = __ffs(gs) - 1;
+    const MvMat a{(const uint4*)W, S, B};
+    mv_core<BITS, MV_STREAMS>(a, a, x, in, H, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,
+                              [&](int t, const float* v) {
+                                  float acc = 0.0f;
+#pragma unroll
+                                  for (int s = 0; s < MV_R; s++) acc += sigmoidf_(v[s]) * normed[(size_t)s * H + t];
+                                  out[t] = acc / (float)MV_R;
+                              });
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2)
+    hc_up_mix(const u32* W, const u16* S, const u16* B, const float* x, const float* x2, float xs, int op,
+              const float* normed, float* out, int H, int cols, int gs, int bits, int L) {
+    grid_enter();
+    const MvIn in{x2, xs, op};
+    switch (bits) {
+        case 2:
+            hc_up_mix_impl<2>(W, S, B, x, in, normed, out, H, cols, gs, L);
+            break;
+        case 4:
+            hc_up_mix_impl<4>(W, S, B, x, in, normed, out, H, cols, gs, L);
+            break;
+        default:
+            hc_up_mix_impl<8>(W, S, B, x, in, normed, out, H, cols, gs, L);
             break;
     }
 }
