@@ -346,7 +346,9 @@ pub struct TilePlan {
 /// that gives the launch about `CHERENKOV_MATVEC_THREADS_PER_SM` (default 512) threads per
 /// multiprocessor; the blocks are capped at what the multiprocessors hold at once (`min_blocks`:
 /// the kernel's `__launch_bounds__` minimum), so large matrices stage x a few times per
-/// multiprocessor instead of once per few rows.
+/// multiprocessor instead of once per few rows. Where that leaves some blocks a second pass over
+/// few steps, `L` is halved while the estimated passes x steps drops (the GDN and attention input
+/// projections: one pass of 5 steps instead of two of 3).
 pub fn tile_plan(gpu: &Gpu, tiles: usize, chunks: usize, copies: usize, min_blocks: usize, shmem: usize) -> TilePlan {
     let (sms, per_sm) = (sms(gpu), threads_per_sm());
     let l_max = chunks.next_power_of_two().min(MV_THREADS);
@@ -354,10 +356,24 @@ pub fn tile_plan(gpu: &Gpu, tiles: usize, chunks: usize, copies: usize, min_bloc
     while lanes < l_max && tiles * copies * lanes < sms * per_sm {
         lanes *= 2;
     }
-    let threads = (tiles * lanes).next_power_of_two().clamp(32, MV_THREADS);
-    let needed = tiles.div_ceil(threads / lanes);
     let per_sm_blocks = (SM_SHARED / (shmem + 2048)).clamp(1, min_blocks);
-    let blocks = needed.min((sms * per_sm_blocks).div_ceil(copies.max(1))).max(1);
+    let cap = (sms * per_sm_blocks).div_ceil(copies.max(1));
+    let shape = |lanes: usize| {
+        let threads = (tiles * lanes).next_power_of_two().clamp(32, MV_THREADS);
+        (threads, tiles.div_ceil(threads / lanes))
+    };
+    // Where the tiles need more blocks than one wave holds, some blocks make a second pass; fewer
+    // lanes per tile put more tiles in each block. Keep halving while that lowers the estimated
+    // time: passes x (steps per tile + about 2 steps of staging x).
+    let cost = |lanes: usize| {
+        let (_, needed) = shape(lanes);
+        needed.div_ceil(cap) * (chunks.div_ceil(lanes) + 2)
+    };
+    while lanes > 8 && shape(lanes).1 > cap && cost(lanes / 2) < cost(lanes) {
+        lanes /= 2;
+    }
+    let (threads, needed) = shape(lanes);
+    let blocks = needed.min(cap).max(1);
     TilePlan { lanes, threads, blocks }
 }
 
