@@ -350,7 +350,19 @@ pub struct TilePlan {
 /// few steps, `L` is halved while the estimated passes x steps drops (the GDN and attention input
 /// projections: one pass of 5 steps instead of two of 3).
 pub fn tile_plan(gpu: &Gpu, tiles: usize, chunks: usize, copies: usize, min_blocks: usize, shmem: usize) -> TilePlan {
-    let (sms, per_sm) = (sms(gpu), threads_per_sm());
+    plan_tiles(sms(gpu), threads_per_sm(), tiles, chunks, copies, min_blocks, shmem)
+}
+
+/// [`tile_plan`] for a GPU of `sms` multiprocessors and the `per_sm` threads target.
+fn plan_tiles(
+    sms: usize,
+    per_sm: usize,
+    tiles: usize,
+    chunks: usize,
+    copies: usize,
+    min_blocks: usize,
+    shmem: usize,
+) -> TilePlan {
     let l_max = chunks.next_power_of_two().min(MV_THREADS);
     let mut lanes = l_max.min(8);
     while lanes < l_max && tiles * copies * lanes < sms * per_sm {
@@ -847,5 +859,40 @@ impl DeviceWeights {
             layers,
             dense,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The released shape's plans on an H200 (132 multiprocessors, the default 512 threads each).
+    fn h200(rows: usize, cols: usize, bits: u32, gs: usize, copies: usize, min_blocks: usize) -> TilePlan {
+        let shmem = tiled_shmem(bits, gs, cols).expect("a tiled shape");
+        plan_tiles(132, 512, rows.div_ceil(MV_R), cols / chunk_codes(bits), copies, min_blocks, shmem)
+    }
+
+    #[test]
+    fn a_projection_too_big_for_one_wave_takes_fewer_lanes_and_one_pass() {
+        // GDN in_proj_qkv (10240 x 2560, 4-bit) in matvec_many (2 blocks per multiprocessor): 32
+        // lanes would need 320 blocks of 8 tiles against 264 resident (a partial second pass of 3
+        // steps); 16 lanes need 160 blocks of 16 tiles, one pass of 5 steps.
+        assert_eq!(h200(10240, 2560, 4, 64, 1, 2), TilePlan { lanes: 16, threads: 256, blocks: 160 });
+        // Attention q_proj (12288 rows) likewise.
+        assert_eq!(h200(12288, 2560, 4, 64, 1, 2).lanes, 16);
+    }
+
+    #[test]
+    fn shapes_that_fit_one_wave_keep_their_lanes() {
+        // in_proj_z (6144 x 2560): 192 blocks of 8 tiles fit in one wave.
+        assert_eq!(h200(6144, 2560, 4, 64, 1, 2), TilePlan { lanes: 32, threads: 256, blocks: 192 });
+        // GDN out_proj (2560 x 6144, matvec_q4 with 3 blocks per multiprocessor).
+        assert_eq!(h200(2560, 6144, 4, 64, 1, 3), TilePlan { lanes: 128, threads: 256, blocks: 320 });
+        // lm_head (248320 rows) starts at the fewest lanes and loops over its tiles.
+        let lm = h200(248320, 2560, 4, 64, 1, 3);
+        assert_eq!((lm.lanes, lm.threads, lm.blocks), (8, 256, 396));
+        // Ten experts' gate/up (MV_GATE_UP tiles of 2 rows: 320 per expert, grid y 10).
+        let gu = plan_tiles(132, 512, 320, 2560 / 32, 10, 3, tiled_shmem(4, 64, 2560).unwrap());
+        assert_eq!((gu.lanes, gu.blocks), (32, 40));
     }
 }
