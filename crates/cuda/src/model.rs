@@ -856,19 +856,7 @@ impl CudaModel {
     /// x += 2 sigmoid(inj / hc) (outer) out.
     pub(crate) fn inject(&self, sc: &Scratch) -> Result<()> {
         let c = self.config();
-        self.gpu.launch(
-            "hc_inject",
-            (blocks(c.hc_hidden(), 256), 1, 1),
-            256,
-            0,
-            &[
-                Arg::Ptr(sc.x.ptr),
-                Arg::Ptr(sc.inj.ptr),
-                Arg::Ptr(sc.out.ptr),
-                Arg::I32(c.hc_count as i32),
-                Arg::I32(c.hidden_size as i32),
-            ],
-        )
+        crate::weights::hc_inject(&self.gpu, sc.x.ptr, sc.inj.ptr, sc.out.ptr, c.hc_count, c.hidden_size)
     }
 
     /// QSA-gated attention of the step's token (position `pos`, also in the step inputs on the

@@ -73,6 +73,17 @@ pub enum MatvecOutput {
     Inject { x: u64, inj: u64, hc: usize, scratch: u64 },
 }
 
+/// x[s h + j] += 2 sigmoid(inj[s] / hc) out[j] for the `hc` streams of `h` (`hc_inject` in ops.cu).
+pub fn hc_inject(gpu: &Gpu, x: u64, inj: u64, out: u64, hc: usize, h: usize) -> Result<()> {
+    gpu.launch(
+        "hc_inject",
+        (blocks(hc * h, 256), 1, 1),
+        256,
+        0,
+        &[Arg::Ptr(x), Arg::Ptr(inj), Arg::Ptr(out), Arg::I32(hc as i32), Arg::I32(h as i32)],
+    )
+}
+
 impl DevLinear {
     /// y = W x (x: cols floats, y: rows floats).
     pub fn matvec(&self, gpu: &Gpu, x: u64, y: u64) -> Result<()> {
@@ -87,13 +98,7 @@ impl DevLinear {
                 if self.launch_matvec(gpu, input, scratch, Some((x, inj, hc)))? {
                     return Ok(());
                 }
-                gpu.launch(
-                    "hc_inject",
-                    (blocks(hc * self.rows, 256), 1, 1),
-                    256,
-                    0,
-                    &[Arg::Ptr(x), Arg::Ptr(inj), Arg::Ptr(scratch), Arg::I32(hc as i32), Arg::I32(self.rows as i32)],
-                )
+                hc_inject(gpu, x, inj, scratch, hc, self.rows)
             }
         }
     }
