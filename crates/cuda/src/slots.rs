@@ -1,9 +1,10 @@
 //! Device expert slots: the residency manager's [`SlotMemory`] in GPU memory.
 //!
 //! One device allocation of `slots x record_bytes`. An IO thread reads a record into a pinned host
-//! staging buffer (positioned reads of its pieces in parallel on the rayon pool, each piece checked
-//! against its own checksum when the store has them, else the whole record checked while the copy
-//! runs), copies it into its slot on its own stream, and waits for the copy before it reports the
+//! staging buffer ([`stage_record`]: positioned reads of its pieces in parallel on the rayon pool
+//! through small bounce buffers, streamed into the staging buffer with non-temporal stores, each
+//! piece checked against its own checksum when the store has them, else the whole record checked
+//! while the copy runs), copies it into its slot on its own stream, and waits for the copy before it reports the
 //! slot loaded; the pool never loads a slot that a step is using, so kernels never see a
 //! half-written record.
 
@@ -29,8 +30,100 @@ struct Pinned {
 // SAFETY: the buffer is owned and used by one IO thread at a time (taken from and returned to a pool).
 unsafe impl Send for Pinned {}
 
-/// Pieces one record is read in, in parallel.
-const READ_PIECES: usize = 4;
+/// Pieces one record is read in, in parallel (when the store has no piece checksums that set them).
+const READ_PIECES: usize = 16;
+
+/// Bytes a reading thread reads at a time through its bounce buffer (small enough to stay in its
+/// core's L2 while the chunk is checked and streamed into the staging buffer).
+const BOUNCE_BYTES: usize = 256 << 10;
+
+thread_local! {
+    /// Each reading thread's bounce buffer (see [`stage_record`]).
+    static BOUNCE: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Reads `record` into the staging buffer `host` (its whole length), its pieces in parallel on the
+/// rayon pool, each piece checked against its own checksum when the store has them (otherwise the
+/// caller must check the whole record).
+///
+/// The bytes do not go straight from the read into `host`: each thread reads a chunk into its
+/// small bounce buffer, checks it there, and streams it into `host` with non-temporal stores
+/// ([`copy_streaming`]). Read straight into `host`, the record sits dirty in the reading cores'
+/// caches, and the copy engine that reads it next must fetch every line from them: on the H200
+/// host a 2.64 MiB copy ran at 16 GB/s after four threads had read into its buffer and at 44-48
+/// GB/s from memory no core had just written (`tools/gpu/copy_probe.py`).
+///
+/// First the record is offered to [`RecordSource::advise`], which asks the OS to read a record
+/// that is not in the page cache in large requests while the pieces' reads wait for it.
+///
+/// Tried and dropped (2026-11-30): each thread queueing its piece's copy to the GPU as soon as the
+/// piece was staged. The driver calls serialize on the stream, and warm loads took 0.42-0.55 ms
+/// instead of 0.28.
+pub fn stage_record(record: &dyn RecordSource, host: &mut [u8]) -> Result<()> {
+    let checked = record.piece_bytes();
+    let piece = checked.unwrap_or_else(|| host.len().div_ceil(READ_PIECES).next_multiple_of(4096));
+    record.advise();
+    host.par_chunks_mut(piece).enumerate().try_for_each(|(i, dst)| {
+        BOUNCE.with(|b| {
+            let mut bounce = b.borrow_mut();
+            if bounce.len() < BOUNCE_BYTES {
+                bounce.resize(BOUNCE_BYTES, 0);
+            }
+            match checked {
+                Some(_) => record.read_piece_chunked(i, &mut bounce, &mut |at, bytes| {
+                    copy_streaming(&mut dst[at..at + bytes.len()], bytes)
+                }),
+                None => {
+                    for (k, d) in dst.chunks_mut(BOUNCE_BYTES).enumerate() {
+                        let chunk = &mut bounce[..d.len()];
+                        record.read_range(i * piece + k * BOUNCE_BYTES, chunk)?;
+                        copy_streaming(d, chunk);
+                    }
+                    Ok(())
+                }
+            }
+        })
+    })
+}
+
+/// `dst.copy_from_slice(src)`, written with non-temporal (cache-bypassing) stores where the CPU
+/// has them (x86-64: SSE2, part of the base instruction set), so the bytes end in memory and not
+/// dirty in this core's caches; elsewhere an ordinary copy.
+pub fn copy_streaming(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "copy_streaming of {} bytes into {}", src.len(), dst.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        let head = dst.as_ptr().align_offset(16).min(dst.len());
+        let lines = (dst.len() - head) / 64;
+        let tail = head + lines * 64;
+        dst[..head].copy_from_slice(&src[..head]);
+        // SAFETY: dst[head..tail] is 16-byte aligned and in bounds, as is src[head..tail] (read
+        // unaligned); SSE2 is always present on x86-64; the fence orders the streamed stores
+        // before whatever this thread does next (the copy to the GPU is queued after it).
+        unsafe {
+            let d = dst.as_mut_ptr().add(head) as *mut __m128i;
+            let s = src.as_ptr().add(head) as *const __m128i;
+            for l in 0..lines {
+                let (d, s) = (d.add(4 * l), s.add(4 * l));
+                let (a, b, c, e) = (
+                    _mm_loadu_si128(s),
+                    _mm_loadu_si128(s.add(1)),
+                    _mm_loadu_si128(s.add(2)),
+                    _mm_loadu_si128(s.add(3)),
+                );
+                _mm_stream_si128(d, a);
+                _mm_stream_si128(d.add(1), b);
+                _mm_stream_si128(d.add(2), c);
+                _mm_stream_si128(d.add(3), e);
+            }
+            _mm_sfence();
+        }
+        dst[tail..].copy_from_slice(&src[tail..]);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    dst.copy_from_slice(src);
+}
 
 pub struct DeviceSlots {
     gpu: Arc<Gpu>,
@@ -143,44 +236,41 @@ impl SlotMemory for DeviceSlots {
         // after both, so a corrupted record never counts as loaded.
         // With piece checksums each piece is checked as it is read, in parallel, and nothing is
         // left to check after the copy is queued.
-        let checked = record.piece_bytes();
-        let piece = checked.unwrap_or_else(|| self.record_bytes.div_ceil(READ_PIECES).next_multiple_of(4096));
+        let checked = record.piece_bytes().is_some();
         let t0 = Instant::now();
-        let result = host
-            .par_chunks_mut(piece)
-            .enumerate()
-            .try_for_each(|(i, chunk)| match checked {
-                Some(_) => record.read_piece(i, chunk),
-                None => record.read_range(i * piece, chunk),
-            })
-            .and_then(|()| {
-                let t1 = Instant::now();
-                // SAFETY: the slot holds record_bytes; the copy is waited for before returning; the
-                // events belong to this context.
-                unsafe {
-                    cu::event::record(staging.start, stream).map_err(|e| anyhow!("cannot record an event: {e}"))?;
-                    cu::memcpy_htod_async(self.slot_ptr(slot), &*host, stream)
-                        .map_err(|e| anyhow!("copy of an expert record to the GPU failed: {e}"))?;
-                    cu::event::record(staging.end, stream).map_err(|e| anyhow!("cannot record an event: {e}"))?;
-                }
-                let queued = Instant::now();
-                let verified = if checked.is_some() { Ok(()) } else { record.verify(host) };
-                let t2 = Instant::now();
-                // SAFETY: the stream belongs to this context.
-                unsafe { cu::stream::synchronize(stream) }
+        let result = stage_record(record, host).and_then(|()| {
+            let t1 = Instant::now();
+            // SAFETY: the slot holds record_bytes; the copy is waited for before returning; the
+            // events belong to this context.
+            unsafe {
+                cu::event::record(staging.start, stream).map_err(|e| anyhow!("cannot record an event: {e}"))?;
+                cu::memcpy_htod_async(self.slot_ptr(slot), &*host, stream)
                     .map_err(|e| anyhow!("copy of an expert record to the GPU failed: {e}"))?;
-                let done = Instant::now();
-                // SAFETY: both events were recorded on this stream and have completed.
-                let gpu_ms = unsafe { cu::event::elapsed(staging.start, staging.end) }.unwrap_or(0.0);
-                let ns = |a: Instant, b: Instant| b.duration_since(a).as_nanos() as u64;
-                self.split[5].fetch_add((gpu_ms as f64 * 1e6) as u64, Ordering::Relaxed);
-                self.split[0].fetch_add(1, Ordering::Relaxed);
-                self.split[1].fetch_add(ns(t0, t1), Ordering::Relaxed);
-                self.split[4].fetch_add(ns(t1, queued), Ordering::Relaxed);
-                self.split[2].fetch_add(ns(queued, t2), Ordering::Relaxed);
-                self.split[3].fetch_add(ns(t2, done), Ordering::Relaxed);
-                verified
-            });
+                cu::event::record(staging.end, stream).map_err(|e| anyhow!("cannot record an event: {e}"))?;
+            }
+            let queued = Instant::now();
+            let verified = if checked { Ok(()) } else { record.verify(host) };
+            let t2 = Instant::now();
+            // SAFETY: the stream belongs to this context.
+            unsafe { cu::stream::synchronize(stream) }
+                .map_err(|e| anyhow!("copy of an expert record to the GPU failed: {e}"))?;
+            let done = Instant::now();
+            // SAFETY: both events were recorded on this stream and have completed.
+            let gpu_ms = unsafe { cu::event::elapsed(staging.start, staging.end) }.unwrap_or(0.0);
+            let ns = |a: Instant, b: Instant| b.duration_since(a).as_nanos() as u64;
+            self.split[5].fetch_add((gpu_ms as f64 * 1e6) as u64, Ordering::Relaxed);
+            self.split[0].fetch_add(1, Ordering::Relaxed);
+            self.split[1].fetch_add(ns(t0, t1), Ordering::Relaxed);
+            self.split[4].fetch_add(ns(t1, queued), Ordering::Relaxed);
+            self.split[2].fetch_add(ns(queued, t2), Ordering::Relaxed);
+            self.split[3].fetch_add(ns(t2, done), Ordering::Relaxed);
+            verified
+        });
+        if result.is_err() {
+            // A copy queued before the failure may still be reading the staging buffer.
+            // SAFETY: the stream belongs to this context.
+            let _ = unsafe { cu::stream::synchronize(stream) };
+        }
         self.staging.lock().unwrap().push(staging);
         result
     }
@@ -198,5 +288,71 @@ impl Drop for DeviceSlots {
                 let _ = cu::event::destroy(st.end);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copy_streaming_copies_every_byte_at_any_alignment() {
+        let src: Vec<u8> = (0..5000u32).map(|i| (i * 7 + i / 255) as u8).collect();
+        for (off, len) in [(0, 0), (0, 5000), (1, 4000), (3, 63), (15, 64), (16, 65), (7, 129), (9, 4991)] {
+            let mut dst = vec![0xAAu8; 5000 + 32];
+            copy_streaming(&mut dst[off..off + len], &src[..len]);
+            assert_eq!(&dst[off..off + len], &src[..len], "offset {off} length {len}");
+            assert!(dst[..off].iter().all(|&b| b == 0xAA) && dst[off + len..].iter().all(|&b| b == 0xAA));
+        }
+    }
+
+    /// An in-memory record; pieces of `piece` bytes checked by a byte sum, one of them corrupted on
+    /// request.
+    struct Mem {
+        bytes: Vec<u8>,
+        piece: Option<usize>,
+        bad_piece: Option<usize>,
+    }
+
+    impl RecordSource for Mem {
+        fn read_range(&self, offset: usize, buf: &mut [u8]) -> Result<()> {
+            buf.copy_from_slice(&self.bytes[offset..offset + buf.len()]);
+            Ok(())
+        }
+        fn verify(&self, _: &[u8]) -> Result<()> {
+            Ok(())
+        }
+        fn piece_bytes(&self) -> Option<usize> {
+            self.piece
+        }
+        fn read_piece_chunked(&self, i: usize, bounce: &mut [u8], put: &mut dyn FnMut(usize, &[u8])) -> Result<()> {
+            let p = self.piece.unwrap();
+            let (start, end) = (i * p, ((i + 1) * p).min(self.bytes.len()));
+            let mut at = start;
+            while at < end {
+                let n = (end - at).min(bounce.len());
+                self.read_range(at, &mut bounce[..n])?;
+                put(at - start, &bounce[..n]);
+                at += n;
+            }
+            anyhow::ensure!(self.bad_piece != Some(i), "piece {i} corrupted");
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn stage_record_reads_every_piece_through_the_bounce_buffers() {
+        // Pieces larger than the bounce buffer, a short last piece, and the no-piece-sum path.
+        let len = 3 * BOUNCE_BYTES + 12288;
+        let bytes: Vec<u8> = (0..len).map(|i| (i % 251) as u8 ^ (i >> 12) as u8).collect();
+        for piece in [Some(BOUNCE_BYTES + 4096), Some(len), None] {
+            let rec = Mem { bytes: bytes.clone(), piece, bad_piece: None };
+            let mut host = vec![0u8; len];
+            stage_record(&rec, &mut host).unwrap();
+            assert!(host == bytes, "pieces of {piece:?}");
+        }
+        let rec = Mem { bytes, piece: Some(BOUNCE_BYTES), bad_piece: Some(2) };
+        let e = stage_record(&rec, &mut vec![0u8; len]).unwrap_err();
+        assert!(format!("{e:#}").contains("piece 2 corrupted"), "{e:#}");
     }
 }

@@ -175,10 +175,24 @@ fn piece_checksums_catch_a_flipped_byte_and_old_manifests_still_open() {
     let (layer, expert) = (1, 2);
     let mut whole = vec![0u8; rb];
     store.read_expert(layer, expert, &mut whole).unwrap();
+    // Just read, so in the page cache: no advice; outside the store: none either.
+    assert!(!store.advise_expert(layer, expert));
+    assert!(!store.advise_expert(ef.layers.len(), 0));
     for i in 0..pieces {
         let mut buf = vec![0u8; piece.min(rb - i * piece)];
         store.read_expert_piece(layer, expert, i, &mut buf).unwrap();
         assert_eq!(buf, whole[i * piece..i * piece + buf.len()]);
+        // Through a bounce buffer smaller than the piece, dividing it or not: the same bytes.
+        for bounce_len in [4096, 3000, piece + 1] {
+            let mut bounce = vec![0u8; bounce_len];
+            let mut got = vec![0u8; buf.len()];
+            store
+                .read_expert_piece_chunked(layer, expert, i, &mut bounce, &mut |at, b| {
+                    got[at..at + b.len()].copy_from_slice(b)
+                })
+                .unwrap();
+            assert_eq!(got, buf, "piece {i} through a bounce of {bounce_len}");
+        }
     }
 
     // Flip one byte in the last piece of record (layer, expert).
@@ -192,8 +206,15 @@ fn piece_checksums_catch_a_flipped_byte_and_old_manifests_still_open() {
     let mut buf = vec![0u8; piece.min(rb - (pieces - 1) * piece)];
     let e = format!("{:#}", bad.read_expert_piece(layer, expert, pieces - 1, &mut buf).unwrap_err());
     assert!(e.contains("corrupted expert record") && e.contains(&format!("piece {}", pieces - 1)), "{e}");
+    let mut bounce = vec![0u8; 4096];
+    let e = format!(
+        "{:#}",
+        bad.read_expert_piece_chunked(layer, expert, pieces - 1, &mut bounce, &mut |_, _| ()).unwrap_err()
+    );
+    assert!(e.contains("corrupted expert record") && e.contains(&format!("piece {}", pieces - 1)), "{e}");
     let mut first = vec![0u8; piece];
     bad.read_expert_piece(layer, expert, 0, &mut first).unwrap();
+    bad.read_expert_piece_chunked(layer, expert, 0, &mut bounce, &mut |_, _| ()).unwrap();
     assert!(bad.read_expert(layer, expert, &mut whole).is_err());
 
     // A manifest written before piece sums existed.
@@ -204,5 +225,6 @@ fn piece_checksums_catch_a_flipped_byte_and_old_manifests_still_open() {
     let old = Store::open(&dir).unwrap();
     assert_eq!(old.expert_piece_bytes(), None);
     assert!(old.read_expert_piece(0, 0, 0, &mut first).is_err());
+    assert!(old.read_expert_piece_chunked(0, 0, 0, &mut bounce, &mut |_, _| ()).is_err());
     old.read_expert(0, 0, &mut whole).unwrap();
 }
