@@ -17,7 +17,7 @@ use anyhow::{Context, Result, bail};
 use cherenkov_cuda::CudaModel;
 use cherenkov_cuda::gpu::{Gpu, measure_bandwidth};
 use cherenkov_cuda::slots::DeviceSlots;
-use cherenkov_engine::policy::{Policy, simulate};
+use cherenkov_engine::policy::{Policy, simulate_from};
 use cherenkov_engine::residency::{ExpertPool, format_bytes, parse_size};
 use cherenkov_engine::routing::{Skew, SkewedRouting};
 use cherenkov_engine::sampling::{Sampler, SamplingParams};
@@ -93,7 +93,9 @@ struct Case {
     loads: cherenkov_cuda::slots::LoadSplit,
     /// Share of a token's experts the previous token also used (same layer).
     share: Option<f64>,
+    /// Routing steps from the prompt on; the first `warm_steps` (prompt and warm-up) only fill.
     trace: Vec<cherenkov_engine::policy::Step>,
+    warm_steps: usize,
 }
 
 /// Bytes of the dense weights a store of config `c` holds (packed as `prepare` would), and those a
@@ -197,70 +199,89 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     let tok = Tokenizer::from_dir(&store.dir)?;
     let prompt = prompt_tokens(&store.dir, &tok, None, "Explain hash collisions.", false)?;
     let experts_file = store.dir.join(&store.manifest.experts.file);
-    let run_case = |name: &str, slots: usize, cold: bool, graphs: bool, cut: Option<f32>| -> Result<Case> {
-        if cold {
-            drop_page_cache(&experts_file)?;
-        }
-        let memory = Arc::new(DeviceSlots::new(gpu.clone(), slots, store.record_bytes())?);
-        let pool = Arc::new(ExpertPool::new(store.clone(), memory.clone(), args.io_threads)?);
-        let mut model = CudaModel::new(store.clone(), gpu.clone(), pool.clone())?;
-        model.skew = Some(Arc::new(SkewedRouting::new(skew)));
-        model.graphs = graphs;
-        model.cut_weak = cut;
-        let mut s = model.new_session()?;
-        // Sampled (temperature 1, top-k 40), not greedy: a random model's argmax repeats itself.
-        // The 40 candidates are chosen on the device, as `run` and `serve` do for such settings.
-        let mut sampler =
-            Sampler::new(SamplingParams { temperature: 1.0, top_k: 40, seed: Some(7), ..SamplingParams::default() });
-        let k = sampler.candidates_needed().context("top-k sampling samples from candidates")?;
-        let among = tok.vocab_size().min(c.vocab_size);
-        let mut cands = model.forward_candidates(&mut s, &prompt, k, among)?;
-        for _ in 0..args.warmup {
-            let t = sampler.sample_candidates(&cands)?;
-            cands = model.forward_candidates(&mut s, &[t], k, among)?;
-        }
-        pool.reset_stats();
-        memory.reset_load_split();
-        pool.record_trace(true);
-        model.reset_timing();
-        let t0 = std::time::Instant::now();
-        for _ in 0..args.tokens {
-            let t = sampler.sample_candidates(&cands)?;
-            cands = model.forward_candidates(&mut s, &[t], k, among)?;
-        }
-        let secs = t0.elapsed().as_secs_f64();
-        let st = pool.stats();
-        let tm = model.timing();
-        let n = args.tokens as f64;
-        Ok(Case {
-            name: name.to_string(),
-            slots,
-            tok_s: n / secs,
-            hit_rate: st.hit_rate().unwrap_or(0.0),
-            lookahead: st.total.lookahead_accuracy(),
-            bytes_per_token: st.total.bytes_read as f64 / n,
-            dense_ms: tm.dense_ns() as f64 / 1e6 / n,
-            experts_ms: tm.experts_ns as f64 / 1e6 / n,
-            wait_ms: tm.wait_ns as f64 / 1e6 / n,
-            queue_ms: tm.queue_ns as f64 / 1e6 / n,
-            cut_per_token: tm.cut as f64 / n,
-            loads: memory.load_split(),
-            share: model.skew.as_ref().and_then(|k| k.consecutive_share()),
-            trace: pool.take_trace(),
-        })
-    };
+    let run_case =
+        |name: &str, slots: usize, cold: bool, graphs: bool, cut: Option<f32>, lookahead: bool| -> Result<Case> {
+            if cold {
+                drop_page_cache(&experts_file)?;
+            }
+            let memory = Arc::new(DeviceSlots::new(gpu.clone(), slots, store.record_bytes())?);
+            let pool = Arc::new(ExpertPool::new(store.clone(), memory.clone(), args.io_threads)?);
+            let mut model = CudaModel::new(store.clone(), gpu.clone(), pool.clone())?;
+            model.skew = Some(Arc::new(SkewedRouting::new(skew)));
+            model.graphs = graphs;
+            model.cut_weak = cut;
+            model.lookahead = lookahead;
+            let mut s = model.new_session()?;
+            // The trace starts with the prompt, so the policy replays fill their caches as the pool
+            // filled its own; only the timed steps are counted.
+            pool.record_trace(true);
+            // Sampled (temperature 1, top-k 40), not greedy: a random model's argmax repeats itself.
+            // The 40 candidates are chosen on the device, as `run` and `serve` do for such settings.
+            let mut sampler = Sampler::new(SamplingParams {
+                temperature: 1.0,
+                top_k: 40,
+                seed: Some(7),
+                ..SamplingParams::default()
+            });
+            let k = sampler.candidates_needed().context("top-k sampling samples from candidates")?;
+            let among = tok.vocab_size().min(c.vocab_size);
+            let mut cands = model.forward_candidates(&mut s, &prompt, k, among)?;
+            for _ in 0..args.warmup {
+                let t = sampler.sample_candidates(&cands)?;
+                cands = model.forward_candidates(&mut s, &[t], k, among)?;
+            }
+            pool.reset_stats();
+            memory.reset_load_split();
+            let warm_trace = pool.take_trace();
+            model.reset_timing();
+            let t0 = std::time::Instant::now();
+            for _ in 0..args.tokens {
+                let t = sampler.sample_candidates(&cands)?;
+                cands = model.forward_candidates(&mut s, &[t], k, among)?;
+            }
+            let secs = t0.elapsed().as_secs_f64();
+            let st = pool.stats();
+            let tm = model.timing();
+            let n = args.tokens as f64;
+            Ok(Case {
+                name: name.to_string(),
+                slots,
+                tok_s: n / secs,
+                hit_rate: st.hit_rate().unwrap_or(0.0),
+                lookahead: st.total.lookahead_accuracy(),
+                bytes_per_token: st.total.bytes_read as f64 / n,
+                dense_ms: tm.dense_ns() as f64 / 1e6 / n,
+                experts_ms: tm.experts_ns as f64 / 1e6 / n,
+                wait_ms: tm.wait_ns as f64 / 1e6 / n,
+                queue_ms: tm.queue_ns as f64 / 1e6 / n,
+                cut_per_token: tm.cut as f64 / n,
+                loads: memory.load_split(),
+                share: model.skew.as_ref().and_then(|k| k.consecutive_share()),
+                warm_steps: warm_trace.len(),
+                trace: warm_trace.into_iter().chain(pool.take_trace()).collect(),
+            })
+        };
     let all = store.manifest.experts.records() as usize;
     let cases = [
-        run_case("all experts resident", all, false, true, None)?,
-        run_case("all experts resident, no CUDA graphs", all, false, false, None)?,
-        run_case(&format!("{} budget, page cache warm", args.gpu_memory), streamed_slots, false, true, None)?,
-        run_case(&format!("{} budget, page cache cold", args.gpu_memory), streamed_slots, true, true, None)?,
+        run_case("all experts resident", all, false, true, None, true)?,
+        run_case("all experts resident, no CUDA graphs", all, false, false, None, true)?,
+        run_case(&format!("{} budget, page cache warm", args.gpu_memory), streamed_slots, false, true, None, true)?,
+        run_case(&format!("{} budget, page cache cold", args.gpu_memory), streamed_slots, true, true, None, true)?,
         run_case(
             &format!("{} budget, page cache warm, --cut-weak {}", args.gpu_memory, args.cut_weak),
             streamed_slots,
             false,
             true,
             Some(args.cut_weak),
+            true,
+        )?,
+        run_case(
+            &format!("{} budget, page cache warm, no lookahead", args.gpu_memory),
+            streamed_slots,
+            false,
+            true,
+            None,
+            false,
         )?,
     ];
 
@@ -272,7 +293,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
 
     // The policy study on the warm streamed run's trace.
     // Cases: 0 resident, 1 resident without graphs, 2 streamed warm, 3 streamed cold, 4 streamed
-    // warm with the deadline cut.
+    // warm with the deadline cut, 5 streamed warm without the lookahead (what its reads gain).
     let trace = &cases[2].trace;
     let mut policies = Vec::new();
     for p in [
@@ -282,7 +303,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         Policy::Lrfu { lambda: 0.01 },
         Policy::Belady,
     ] {
-        policies.push((p.label(), simulate(trace, streamed_slots, p).hit_rate()));
+        policies.push((p.label(), simulate_from(trace, cases[2].warm_steps, streamed_slots, p).hit_rate()));
     }
     let belady = policies.last().map(|p| p.1).unwrap_or(1.0);
 
@@ -376,21 +397,24 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         ));
     }
     md.push_str(&format!(
-        "\nCache policies replayed on the warm streamed run's routing trace ({} steps, {} slots):\n\n",
-        trace.len(),
-        streamed_slots
+        "\nCache policies replayed on the warm streamed run's routing trace ({} timed steps, {} slots; each replay starts empty and first replays the {} steps of the prompt and warm-up tokens, uncounted, as the pool did):\n\n",
+        trace.len() - cases[2].warm_steps,
+        streamed_slots,
+        cases[2].warm_steps
     ));
     md.push_str("| policy | hit rate | of Belady's |\n| --- | --- | --- |\n");
     for (name, h) in &policies {
         md.push_str(&format!("| {name} | {:.1}% | {:.1}% |\n", 100.0 * h, 100.0 * h / belady.max(1e-9)));
     }
     md.push_str(&format!(
-        "\nThe pool itself ({} with lookahead prefetch) hit {:.1}% in that run. Consecutive tokens shared {} of their experts per layer.\n",
+        "\nThe pool itself ({} with lookahead prefetch) hit {:.1}% in that run ({:.1}% of Belady's), {:.1}% without the lookahead. Consecutive tokens shared {} of their experts per layer.\n",
         cherenkov_engine::residency::Eviction::DEFAULT.label(),
         100.0 * cases[2].hit_rate,
+        100.0 * cases[2].hit_rate / belady.max(1e-9),
+        100.0 * cases[5].hit_rate,
         cases[2].share.map_or("-".to_string(), |s| format!("{:.1}%", 100.0 * s))
     ));
-    md.push_str("\nExpert loads in the timed part (mean per load: reading the four pieces in parallel into pinned memory; the driver call queueing the copy; the checksum, while the copy to the GPU runs; then waiting for the copy; and the copy itself, timed by GPU events on its stream):\n\n| case | loads | read ms | queue copy ms | checksum ms | copy wait ms | copy on the GPU ms |\n| --- | --- | --- | --- | --- | --- | --- |\n");
+    md.push_str("\nExpert loads in the timed part (mean per load: reading the record's pieces in parallel into pinned memory; the driver call queueing the copy; the checksum, while the copy to the GPU runs; then waiting for the copy; and the copy itself, timed by GPU events on its stream):\n\n| case | loads | read ms | queue copy ms | checksum ms | copy wait ms | copy on the GPU ms |\n| --- | --- | --- | --- | --- | --- | --- |\n");
     for k in cases.iter().filter(|k| k.loads.loads > 0) {
         let per = |ns: u64| ns as f64 / 1e6 / k.loads.loads as f64;
         md.push_str(&format!(
@@ -405,7 +429,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         ));
     }
     md.push_str(&format!(
-        "\nThe deadline cut (last case, `--cut-weak {}`: read experts of routing weight below that, still being read when the resident experts are done, are dropped) dropped {:.2} experts per token; its output depends on read timing and is not reproducible.\n",
+        "\nThe deadline cut (`--cut-weak {}`: read experts of routing weight below that, still being read when the resident experts are done, are dropped) dropped {:.2} experts per token; its output depends on read timing and is not reproducible.\n",
         args.cut_weak, cases[4].cut_per_token
     ));
     if let Some(p) = &peer {
@@ -429,7 +453,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         .collect();
     let j = json!({"date": date, "gpu": gpu.info.name, "device_bw": bw.device, "h2d_bw": bw.host_to_device, "layers": c.num_hidden_layers,
                    "experts": c.num_experts, "skew": skew, "roofline_tok_s": roofline, "cases": cases_json,
-                   "policies": policies.iter().map(|(n, h)| json!({"policy": n, "hit_rate": h})).collect::<Vec<_>>(), "peer": peer});
+                   "policies": policies.iter().map(|(n, h)| json!({"policy": n, "hit_rate": h})).collect::<Vec<_>>(), "policy_uncounted_steps": cases[2].warm_steps, "peer": peer});
     std::fs::write(stem.with_extension("json"), serde_json::to_vec_pretty(&j)?)?;
     writeln!(out, "{md}")?;
     writeln!(out, "wrote {} and .json", stem.with_extension("md").display())?;

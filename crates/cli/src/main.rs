@@ -103,9 +103,10 @@ enum Command {
     /// Measure decode on a synthetic model of the released shape on the GPU (writes benchmark/results).
     #[command(long_about = "Measures, on the GPU, decode of a synthetic model of the released Qwen3.8-Flash-Next \
             shape (random weights, skewed synthetic routers) at --layers depth: every expert resident; the expert \
-            cache a --gpu-memory budget leaves the full 48-layer model, with the page cache warm and cold; hit \
-            rates, lookahead accuracy, bytes read per token, the time split, the offline cache-policy study \
-            (LRU, LRFU, Belady) on the routing trace, the roofline ratios, and transformers' eager qwen4_exp on \
+            cache a --gpu-memory budget leaves the full 48-layer model, with the page cache warm and cold, with the \
+            deadline cut, and without the lookahead; hit rates, lookahead accuracy, bytes read per token, the time \
+            split, per-load read and copy times, the offline cache-policy study (LRU, LRFU, Belady, replayed from \
+            the prompt on so they start as warm as the pool did) on the routing trace, the roofline ratios, and transformers' eager qwen4_exp on \
             the same shape. Results go to --out as markdown and JSON.")]
     Bench(bench::BenchArgs),
     /// Check the CUDA backend against the CPU reference and the golden logits (on a GPU machine).

@@ -97,6 +97,13 @@ impl SimResult {
 /// Replays `trace` on `slots` slots under `policy`. Steps larger than the cache count their excess
 /// as misses (they could not all be resident).
 pub fn simulate(trace: &[Step], slots: usize, policy: Policy) -> SimResult {
+    simulate_from(trace, 0, slots, policy)
+}
+
+/// [`simulate`], counting only the requests of steps `counted_from..`: the steps before fill the
+/// cache as they filled the real one (a benchmark's prompt and warm-up tokens), so a policy is
+/// not charged for misses its measured counterpart never had.
+pub fn simulate_from(trace: &[Step], counted_from: usize, slots: usize, policy: Policy) -> SimResult {
     let mut res = SimResult::default();
     // Next use of each (step index, key), for Belady.
     let next_use: Vec<Vec<usize>> = if let Policy::Belady = policy {
@@ -123,11 +130,12 @@ pub fn simulate(trace: &[Step], slots: usize, policy: Policy) -> SimResult {
         }
         last_layer = Some(s.layer);
         let step: Vec<Key> = s.experts.iter().map(|&e| (s.layer, e)).collect();
+        let counted = t >= counted_from;
         for (j, k) in step.iter().enumerate() {
-            res.requests += 1;
+            res.requests += counted as u64;
             tick += 1;
             if let Some(&(p, tk)) = rank.get(k) {
-                res.hits += 1;
+                res.hits += counted as u64;
                 order.remove(&(p, tk, *k));
             } else if rank.len() >= slots {
                 // Evict the lowest-ranked key not in this step.
@@ -199,6 +207,19 @@ mod tests {
         // LRU: miss miss miss miss miss hit miss -> 1 hit.
         assert_eq!(simulate(&t, 2, Policy::Lru).hits, 1);
         // MIN: 1 2 | 3 evicts 2 (next use 6, vs 1 at 3) | 1 hit | 4 evicts 3 | 1 hit | 2 miss -> 2 hits.
+        assert_eq!(simulate(&t, 2, Policy::Belady).hits, 2);
+    }
+
+    #[test]
+    fn counting_from_a_step_replays_the_steps_before_without_counting_them() {
+        let t = steps(&[&[1], &[2], &[3], &[1], &[4], &[1], &[2]]);
+        // LRU from step 3: 1 miss, 4 miss, 1 hit, 2 miss (the first three steps only fill).
+        let r = simulate_from(&t, 3, 2, Policy::Lru);
+        assert_eq!((r.requests, r.hits), (4, 1));
+        // Steps 1 2 fill two slots; from step 2 on: 2 hits of 2.
+        let t = steps(&[&[1], &[2], &[1], &[2]]);
+        let r = simulate_from(&t, 2, 2, Policy::Belady);
+        assert_eq!((r.requests, r.hits), (2, 2));
         assert_eq!(simulate(&t, 2, Policy::Belady).hits, 2);
     }
 
