@@ -255,6 +255,29 @@ impl Gpu {
     /// Launches kernel `name` on the compute stream.
     pub fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, shmem: u32, args: &[Arg]) -> Result<()> {
         let f = *self.funcs.get(name).with_context(|| format!("no kernel named {name}"))?;
+        // SAFETY: f is a kernel of the loaded module, and every caller passes the arguments its
+        // CUDA declaration takes; with PDL every kernel waits for its predecessor (grid_wait).
+        unsafe { self.launch_function(f, name, grid, block, shmem, args, self.pdl) }
+    }
+
+    /// Launches kernel `f` (named `name` in errors) on the compute stream, with programmatic stream
+    /// serialization when `pdl`.
+    ///
+    /// # Safety
+    /// `f` must be a kernel of a module loaded in this context whose parameters are `args` in order
+    /// (pointers and u64 as 8 bytes, int and float as 4); with `pdl`, the kernel must wait for its
+    /// predecessor (`griddepcontrol.wait`) before it reads what earlier work writes.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch_function(
+        &self,
+        f: sys::CUfunction,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        shmem: u32,
+        args: &[Arg],
+        pdl: bool,
+    ) -> Result<()> {
         let mut vals: Vec<[u8; 8]> = args
             .iter()
             .map(|a| {
@@ -268,10 +291,10 @@ impl Gpu {
             })
             .collect();
         let mut ptrs: Vec<*mut c_void> = vals.iter_mut().map(|v| v.as_mut_ptr() as *mut c_void).collect();
-        if !self.pdl {
-            // SAFETY: f is a kernel of the loaded module; every argument is passed by value with the
-            // size the kernel declares (8 bytes for pointers/u64, 4 for int/float; the kernel reads
-            // only the first 4 bytes of those).
+        if !pdl {
+            // SAFETY: f is a kernel of a loaded module (the caller's contract); every argument is
+            // passed by value with the size the kernel declares (8 bytes for pointers/u64, 4 for
+            // int/float; the kernel reads only the first 4 bytes of those).
             return unsafe { cu::launch_kernel(f, grid, (block, 1, 1), shmem, self.stream, &mut ptrs) }
                 .map_err(|e| anyhow::anyhow!("launch of {name} failed: {e}"));
         }
@@ -291,8 +314,8 @@ impl Gpu {
             attrs: &mut attr,
             numAttrs: 1,
         };
-        // SAFETY: as above; `config` and `attr` outlive the call. Every kernel waits for its
-        // predecessor (grid_wait) before touching memory earlier work writes.
+        // SAFETY: as above; `config` and `attr` outlive the call; the kernel waits for its
+        // predecessor before touching memory earlier work writes (the caller's contract).
         unsafe { sys::cuLaunchKernelEx(&config, f, ptrs.as_mut_ptr(), std::ptr::null_mut()) }
             .result()
             .map_err(|e| anyhow::anyhow!("launch of {name} failed: {e}"))

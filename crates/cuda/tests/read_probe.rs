@@ -12,31 +12,9 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::Result;
 use cherenkov_cuda::slots::{copy_streaming, stage_record};
-use cherenkov_engine::residency::RecordSource;
+use cherenkov_engine::residency::StoreRecord as Rec;
 use cherenkov_model::store::Store;
-
-struct Rec<'a> {
-    store: &'a Store,
-    layer: usize,
-    expert: usize,
-}
-
-impl RecordSource for Rec<'_> {
-    fn read_range(&self, offset: usize, buf: &mut [u8]) -> Result<()> {
-        self.store.read_expert_range(self.layer, self.expert, offset, buf)
-    }
-    fn verify(&self, record: &[u8]) -> Result<()> {
-        self.store.verify_expert(self.layer, self.expert, record)
-    }
-    fn piece_bytes(&self) -> Option<usize> {
-        self.store.expert_piece_bytes()
-    }
-    fn read_piece_chunked(&self, i: usize, bounce: &mut [u8], put: &mut dyn FnMut(usize, &[u8])) -> Result<()> {
-        self.store.read_expert_piece_chunked(self.layer, self.expert, i, bounce, put)
-    }
-}
 
 fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();

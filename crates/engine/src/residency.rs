@@ -122,11 +122,11 @@ pub trait RecordSource: Sync {
     }
 }
 
-/// A record of the pool's store.
-struct StoreRecord<'a> {
-    store: &'a Store,
-    layer: usize,
-    expert: usize,
+/// The record of (MoE slot `layer`, `expert`) in a store: what the pool's IO threads load.
+pub struct StoreRecord<'a> {
+    pub store: &'a Store,
+    pub layer: usize,
+    pub expert: usize,
 }
 
 impl RecordSource for StoreRecord<'_> {
