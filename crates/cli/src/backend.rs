@@ -29,15 +29,6 @@ pub enum AnySession {
     Cuda(CudaSession),
 }
 
-impl Clone for AnySession {
-    fn clone(&self) -> AnySession {
-        match self {
-            AnySession::Cpu(s) => AnySession::Cpu(s.clone()),
-            AnySession::Cuda(s) => AnySession::Cuda(s.clone()),
-        }
-    }
-}
-
 impl Backend for AnyModel {
     type Session = AnySession;
 
@@ -48,11 +39,19 @@ impl Backend for AnyModel {
         }
     }
 
-    fn new_session(&self) -> AnySession {
-        match self {
-            AnyModel::Cpu(m) => AnySession::Cpu(Backend::new_session(&**m)),
-            AnyModel::Cuda(m) => AnySession::Cuda(Backend::new_session(&**m)),
-        }
+    fn new_session(&self) -> Result<AnySession> {
+        Ok(match self {
+            AnyModel::Cpu(m) => AnySession::Cpu(Backend::new_session(&**m)?),
+            AnyModel::Cuda(m) => AnySession::Cuda(Backend::new_session(&**m)?),
+        })
+    }
+
+    fn snapshot_session(&self, s: &AnySession) -> Result<AnySession> {
+        Ok(match (self, s) {
+            (AnyModel::Cpu(m), AnySession::Cpu(s)) => AnySession::Cpu(m.snapshot_session(s)?),
+            (AnyModel::Cuda(m), AnySession::Cuda(s)) => AnySession::Cuda(m.snapshot_session(s)?),
+            _ => anyhow::bail!("a session of one backend given to another"),
+        })
     }
 
     fn session_len(&self, s: &AnySession) -> usize {

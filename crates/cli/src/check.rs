@@ -31,7 +31,7 @@ pub fn run(store_dir: &Path, args: &RunArgs, out: &mut dyn Write) -> Result<()> 
     let params = args.sampling.resolve(dir);
     params.validate()?;
     let mut sampler = Sampler::new(params);
-    let mut cs = Backend::new_session(&cpu);
+    let mut cs = Backend::new_session(&cpu)?;
     let mut gs = cuda.new_session()?;
     let want = cpu.forward(&mut cs, &ids, Logits::All)?;
     let got = cuda.forward_tokens(&mut gs, &ids, Logits::All)?;

@@ -75,7 +75,7 @@ pub fn run(args: &LogitsArgs, out: &mut dyn Write) -> Result<()> {
         (None, None) => bail!("give --tokens or --text"),
     };
     let model = &loaded.model;
-    let mut s = model.new_session();
+    let mut s = model.new_session()?;
     let logits = model.forward(&mut s, &ids, Logits::All)?;
     let vocab = model.vocab_size();
     write_npy(&args.out, &[ids.len(), vocab], &logits)?;

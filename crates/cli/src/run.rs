@@ -150,7 +150,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
     };
     opts.sampling.validate()?;
     let model = &loaded.model;
-    let mut session = model.new_session();
+    let mut session = model.new_session()?;
     eprintln!("backend: {}", model.name());
     let before = model.pool_stats();
     let forward_before = model.forward_stats();

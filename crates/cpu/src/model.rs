@@ -160,8 +160,12 @@ impl Backend for CpuModel {
         "cpu"
     }
 
-    fn new_session(&self) -> CpuSession {
-        CpuSession::new(self.config())
+    fn new_session(&self) -> Result<CpuSession> {
+        Ok(CpuSession::new(self.config()))
+    }
+
+    fn snapshot_session(&self, s: &CpuSession) -> Result<CpuSession> {
+        Ok(s.clone())
     }
 
     fn session_len(&self, s: &CpuSession) -> usize {

@@ -1388,8 +1388,12 @@ impl Backend for CudaModel {
         "cuda"
     }
 
-    fn new_session(&self) -> CudaSession {
-        CudaModel::new_session(self).unwrap_or_else(|e| panic!("cannot create a CUDA session: {e:#}"))
+    fn new_session(&self) -> Result<CudaSession> {
+        CudaModel::new_session(self)
+    }
+
+    fn snapshot_session(&self, s: &CudaSession) -> Result<CudaSession> {
+        s.try_clone()
     }
 
     fn session_len(&self, s: &CudaSession) -> usize {

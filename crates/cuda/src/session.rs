@@ -189,11 +189,3 @@ impl CudaSession {
             .sum()
     }
 }
-
-impl Clone for CudaSession {
-    /// Snapshots need device memory; running out of it here is reported as a panic with the sizes,
-    /// since `Clone` cannot fail. Callers that can handle the error use [`CudaSession::try_clone`].
-    fn clone(&self) -> CudaSession {
-        self.try_clone().unwrap_or_else(|e| panic!("cannot snapshot a CUDA session: {e:#}"))
-    }
-}

@@ -18,13 +18,19 @@ pub enum Logits {
 }
 
 pub trait Backend: Send + Sync {
-    /// One sequence's decode state. Cloning snapshots it.
-    type Session: Send + Clone;
+    /// One sequence's decode state ([`Backend::snapshot_session`] copies it).
+    type Session: Send;
 
     /// A short name for messages (`cpu`, `cuda`).
     fn name(&self) -> &'static str;
 
-    fn new_session(&self) -> Self::Session;
+    /// A fresh session. Sessions may live in memory the backend shares with its weights and expert
+    /// cache (device memory for CUDA): running out is an error, not a panic.
+    fn new_session(&self) -> Result<Self::Session>;
+
+    /// An independent copy of `s` (the server's prefix-cache snapshots and their restores); fails
+    /// like [`Backend::new_session`] when its memory runs out.
+    fn snapshot_session(&self, s: &Self::Session) -> Result<Self::Session>;
 
     /// Tokens already processed by a session (the position of its next token).
     fn session_len(&self, s: &Self::Session) -> usize;

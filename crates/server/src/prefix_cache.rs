@@ -51,10 +51,11 @@ struct Entry<S> {
 }
 
 /// A restored prefix.
-pub struct Hit<S> {
+pub struct Hit<'a, S> {
     /// Prompt tokens the state covers.
     pub len: usize,
-    pub state: S,
+    /// The snapshot (the caller copies it with `Backend::snapshot_session`; the entry stays).
+    pub state: &'a S,
     /// The logits after those tokens, when they are the whole prompt.
     pub logits: Option<Vec<f32>>,
 }
@@ -81,7 +82,7 @@ pub struct PrefixCache<S> {
     stats: CacheStats,
 }
 
-impl<S: Clone> PrefixCache<S> {
+impl<S> PrefixCache<S> {
     pub fn new(policy: CachePolicy) -> Self {
         Self { policy, entries: Vec::new(), stats: CacheStats::default() }
     }
@@ -100,9 +101,9 @@ impl<S: Clone> PrefixCache<S> {
         self.policy.enabled
     }
 
-    /// The longest entry visible to `owner` whose tokens start `prompt`, cloned. An entry as long as
-    /// the prompt is used only with its logits; one longer than the prompt never matches.
-    pub fn lookup(&mut self, prompt: &[u32], owner: Option<&str>, now: Instant) -> Option<Hit<S>> {
+    /// The longest entry visible to `owner` whose tokens start `prompt`. An entry as long as the
+    /// prompt is used only with its logits; one longer than the prompt never matches.
+    pub fn lookup(&mut self, prompt: &[u32], owner: Option<&str>, now: Instant) -> Option<Hit<'_, S>> {
         if !self.policy.enabled {
             return None;
         }
@@ -120,7 +121,14 @@ impl<S: Clone> PrefixCache<S> {
         self.stats.hits += 1;
         self.stats.tokens_reused += e.tokens.len() as u64;
         let whole = e.tokens.len() == prompt.len();
-        Some(Hit { len: e.tokens.len(), state: e.state.clone(), logits: whole.then(|| e.logits.clone()) })
+        Some(Hit { len: e.tokens.len(), state: &e.state, logits: whole.then(|| e.logits.clone()) })
+    }
+
+    /// Takes back the hit of the last [`PrefixCache::lookup`] (of `len` tokens) when its snapshot
+    /// could not be restored, so the statistics count only reuse that happened.
+    pub fn restore_failed(&mut self, len: usize) {
+        self.stats.hits = self.stats.hits.saturating_sub(1);
+        self.stats.tokens_reused = self.stats.tokens_reused.saturating_sub(len as u64);
     }
 
     /// The longest run of leading tokens `prompt` shares with an entry visible to `owner` (its
@@ -302,6 +310,12 @@ mod tests {
         assert_eq!(c.lookup(&[1, 2, 3], None, t).unwrap().len, 2);
         assert!(c.lookup(&[7], None, t).is_none());
         assert!(c.lookup(&[1], None, t).is_none(), "an entry longer than the prompt matched");
+        let s = c.stats();
+        assert_eq!((s.lookups, s.hits, s.tokens_reused), (5, 3, 10));
+        // A hit whose snapshot could not be restored is taken back; the lookup still counts.
+        c.restore_failed(2);
+        let s = c.stats();
+        assert_eq!((s.lookups, s.hits, s.tokens_reused), (5, 2, 8));
     }
 
     #[test]

@@ -89,16 +89,25 @@ struct Scheduler<B: Backend> {
     config: Arc<Config>,
     generation: u64,
     serial: u64,
+    /// Whether the backend reports session sizes (the prefix cache is bounded in bytes).
+    sizes_known: bool,
 }
 
 impl<B: Backend> Scheduler<B> {
     fn new(backend: Arc<B>, tokenizer: Tokenizer, shared: Arc<Shared>) -> Self {
         let config = shared.live.get();
         let mut policy = cache_policy(&config);
-        if backend.session_bytes(&backend.new_session()).is_none() {
+        let sizes_known = match backend.new_session() {
+            Ok(s) => backend.session_bytes(&s).is_some(),
+            Err(e) => {
+                eprintln!("prefix cache: off (a first session could not be made: {e:#})");
+                false
+            }
+        };
+        if !sizes_known && policy.enabled {
             eprintln!("prefix cache: off (the {} backend does not report session sizes)", backend.name());
-            policy.enabled = false;
         }
+        policy.enabled &= sizes_known;
         Self {
             cache: PrefixCache::new(policy),
             generation: shared.live.generation(),
@@ -107,6 +116,7 @@ impl<B: Backend> Scheduler<B> {
             shared,
             config,
             serial: 0,
+            sizes_known,
         }
     }
 
@@ -169,7 +179,7 @@ impl<B: Backend> Scheduler<B> {
         self.generation = generation;
         self.config = self.shared.live.get();
         let mut policy = cache_policy(&self.config);
-        policy.enabled &= self.backend.session_bytes(&self.backend.new_session()).is_some();
+        policy.enabled &= self.sizes_known;
         self.cache.set_policy(policy, Instant::now());
     }
 
@@ -188,10 +198,20 @@ impl<B: Backend> Scheduler<B> {
                 return None;
             }
         };
+        let session = match self.backend.new_session() {
+            Ok(s) => s,
+            Err(e) => {
+                let message = format!("cannot start a session for this request: {e:#}");
+                eprintln!("{}: failed: {message}", job.id);
+                let _ = job.events.send(Event::Error(ApiError::unavailable(message)));
+                self.shared.counters.failed.fetch_add(1, Ordering::Relaxed);
+                return None;
+            }
+        };
         self.serial += 1;
         let mut a = Active {
             serial: self.serial,
-            session: self.backend.new_session(),
+            session,
             pos: 0,
             cached: 0,
             logits: None,
@@ -208,11 +228,26 @@ impl<B: Backend> Scheduler<B> {
         } else {
             let owner = a.job.session_id.as_deref();
             let branch = self.cache.shared_prefix(&a.job.prompt, owner);
+            let mut failed = None;
             if let Some(hit) = self.cache.lookup(&a.job.prompt, owner, Instant::now()) {
-                a.session = hit.state;
-                a.pos = hit.len;
-                a.cached = hit.len;
-                a.logits = hit.logits;
+                match self.backend.snapshot_session(hit.state) {
+                    Ok(s) => {
+                        a.session = s;
+                        a.pos = hit.len;
+                        a.cached = hit.len;
+                        a.logits = hit.logits;
+                    }
+                    Err(e) => {
+                        eprintln!(
+                            "{}: prefix cache: the snapshot of {} tokens could not be restored ({e:#}); running the whole prompt",
+                            a.job.id, hit.len
+                        );
+                        failed = Some(hit.len);
+                    }
+                }
+            }
+            if let Some(len) = failed {
+                self.cache.restore_failed(len);
             }
             if branch >= a.pos + MIN_BRANCH_TOKENS && branch < a.job.prompt.len() {
                 a.job.snapshot_at.push(branch);
@@ -312,7 +347,10 @@ impl<B: Backend> Scheduler<B> {
             return;
         }
         let Some(bytes) = self.backend.session_bytes(&a.session) else { return };
-        self.cache.insert(tokens, a.session.clone(), logits, bytes, owner, a.serial, Instant::now());
+        match self.backend.snapshot_session(&a.session) {
+            Ok(s) => self.cache.insert(tokens, s, logits, bytes, owner, a.serial, Instant::now()),
+            Err(e) => eprintln!("{}: prefix cache: no snapshot of {} tokens ({e:#})", a.job.id, tokens.len()),
+        }
     }
 
     /// Samples one token from the last logits and runs it through the model.

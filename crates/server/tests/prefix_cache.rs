@@ -18,10 +18,12 @@ use cherenkov_server::job::{Event, GenParams, Job, TokenLogprob};
 use cherenkov_server::queue::Shared;
 use cherenkov_server::scheduler;
 
-/// The CPU backend, recording (tokens, logits) of every forward.
+/// The CPU backend, recording (tokens, logits) of every forward; its snapshots fail while
+/// `fail_snapshots` is set (as a GPU's would with its memory full).
 struct Recording {
     inner: Arc<CpuModel>,
     log: Mutex<Vec<(Vec<u32>, Vec<f32>)>>,
+    fail_snapshots: std::sync::atomic::AtomicBool,
 }
 
 impl Backend for Recording {
@@ -29,8 +31,12 @@ impl Backend for Recording {
     fn name(&self) -> &'static str {
         "recording-cpu"
     }
-    fn new_session(&self) -> CpuSession {
+    fn new_session(&self) -> anyhow::Result<CpuSession> {
         Backend::new_session(&*self.inner)
+    }
+    fn snapshot_session(&self, s: &CpuSession) -> anyhow::Result<CpuSession> {
+        anyhow::ensure!(!self.fail_snapshots.load(std::sync::atomic::Ordering::SeqCst), "out of memory (scripted)");
+        self.inner.snapshot_session(s)
     }
     fn session_len(&self, s: &CpuSession) -> usize {
         self.inner.session_len(s)
@@ -72,7 +78,11 @@ impl Engine {
         config.cache.enabled = cache;
         config.cache.block_tokens = block_tokens;
         config.scheduler.prefill_chunk = 16;
-        let backend = Arc::new(Recording { inner: common::model(), log: Mutex::new(Vec::new()) });
+        let backend = Arc::new(Recording {
+            inner: common::model(),
+            log: Mutex::new(Vec::new()),
+            fail_snapshots: Default::default(),
+        });
         let shared = Shared::new(config);
         scheduler::spawn(backend.clone(), common::spec().tokenizer, shared.clone());
         Engine { backend, shared }
@@ -227,4 +237,31 @@ fn block_snapshots_and_retained_sessions_change_nothing() {
     // Every generated token but the last ran through the model in turn 1.
     assert_eq!(w.cached, turn1.len() + r1.generated.len() - 1);
     assert_same(&cold.run(&turn2, &[], None, 4), &w, turn2.len());
+}
+
+/// Snapshots that cannot be taken or restored (a GPU with its memory full) cost only the reuse:
+/// the requests finish with the logits of a run without a cache, and nothing half-made is kept.
+#[test]
+fn snapshots_that_fail_cost_only_the_reuse() {
+    use std::sync::atomic::Ordering;
+    let warm = Engine::new(true, 8);
+    let cold = Engine::new(false, 0);
+    let p = tokens(30, 5);
+    let q: Vec<u32> = p[..20].iter().copied().chain(tokens(11, 6)).collect();
+    // Taking them fails: nothing is cached.
+    warm.backend.fail_snapshots.store(true, Ordering::SeqCst);
+    warm.run(&p, &[], None, 3);
+    let w = warm.run(&q, &[], None, 5);
+    assert_eq!(w.cached, 0);
+    assert_same(&cold.run(&q, &[], None, 5), &w, q.len());
+    // Taken, then restoring fails: the request runs its whole prompt.
+    warm.backend.fail_snapshots.store(false, Ordering::SeqCst);
+    warm.run(&p, &[], None, 3);
+    warm.backend.fail_snapshots.store(true, Ordering::SeqCst);
+    let w = warm.run(&q, &[], None, 5);
+    assert_eq!(w.cached, 0);
+    assert_same(&cold.run(&q, &[], None, 5), &w, q.len());
+    // And restoring works again once memory is back.
+    warm.backend.fail_snapshots.store(false, Ordering::SeqCst);
+    assert_eq!(warm.run(&q, &[], None, 5).cached, 16);
 }

@@ -29,6 +29,8 @@ struct Scripted {
     delay: Duration,
     log: Mutex<Vec<u32>>,
     forwards: AtomicUsize,
+    /// While set, new sessions fail (as when a GPU's memory is full).
+    fail_sessions: std::sync::atomic::AtomicBool,
 }
 
 impl Backend for Scripted {
@@ -36,8 +38,12 @@ impl Backend for Scripted {
     fn name(&self) -> &'static str {
         "scripted"
     }
-    fn new_session(&self) -> Vec<u32> {
-        Vec::new()
+    fn new_session(&self) -> anyhow::Result<Vec<u32>> {
+        anyhow::ensure!(!self.fail_sessions.load(Ordering::SeqCst), "out of device memory (scripted)");
+        Ok(Vec::new())
+    }
+    fn snapshot_session(&self, s: &Vec<u32>) -> anyhow::Result<Vec<u32>> {
+        Ok(s.clone())
     }
     fn session_len(&self, s: &Vec<u32>) -> usize {
         s.len()
@@ -76,6 +82,7 @@ fn engine(delay_ms: u64, edit: impl FnOnce(&mut Config)) -> (Arc<Scripted>, Arc<
         delay: Duration::from_millis(delay_ms),
         log: Mutex::new(vec![]),
         forwards: AtomicUsize::new(0),
+        fail_sessions: Default::default(),
     });
     let shared = Shared::new(config);
     scheduler::spawn(backend.clone(), common::spec().tokenizer, shared.clone());
@@ -219,4 +226,28 @@ fn a_failing_or_panicking_step_ends_only_its_request() {
     shared.submit(ok).unwrap();
     assert!(finish(&mut rok).is_none());
     assert_eq!(shared.status().failed, 2);
+}
+
+/// A session the backend cannot make (a GPU with its memory full) fails that request with a 503
+/// that says so; the server goes on, and serves the next request once sessions can be made again.
+#[test]
+fn a_session_that_cannot_be_made_fails_only_its_request() {
+    let (backend, shared) = engine(0, |_| {});
+    backend.fail_sessions.store(true, Ordering::SeqCst);
+    let (a, mut ra) = job(100, 3, LONG);
+    shared.submit(a).unwrap();
+    let e = finish(&mut ra).expect("the request fails");
+    assert_eq!(e.status.as_u16(), 503);
+    assert!(
+        e.message.contains("cannot start a session") && e.message.contains("out of device memory"),
+        "{}",
+        e.message
+    );
+    assert_eq!(backend.forwards.load(Ordering::SeqCst), 0);
+    backend.fail_sessions.store(false, Ordering::SeqCst);
+    let (b, mut rb) = job(200, 3, LONG);
+    shared.submit(b).unwrap();
+    assert!(finish(&mut rb).is_none());
+    let s = shared.status();
+    assert_eq!((s.failed, s.completed), (1, 1));
 }
