@@ -198,49 +198,21 @@ impl<B: Backend> Scheduler<B> {
                 return None;
             }
         };
-        let session = match self.backend.new_session() {
-            Ok(s) => s,
-            Err(e) => {
-                let message = format!("cannot start a session for this request: {e:#}");
-                eprintln!("{}: failed: {message}", job.id);
-                let _ = job.events.send(Event::Error(ApiError::unavailable(message)));
-                self.shared.counters.failed.fetch_add(1, Ordering::Relaxed);
-                return None;
-            }
-        };
-        self.serial += 1;
-        let mut a = Active {
-            serial: self.serial,
-            session,
-            pos: 0,
-            cached: 0,
-            logits: None,
-            prompt_logprobs: None,
-            decoding,
-            forwarded: Vec::new(),
-            prompt_reported: false,
-            started: Instant::now(),
-            last: None,
-            job,
-        };
-        if a.job.params.prompt_logprobs.is_some() {
-            a.prompt_logprobs = Some(vec![TokenLogprob { id: a.job.prompt[0], logprob: None, top: Vec::new() }]);
-        } else {
-            let owner = a.job.session_id.as_deref();
-            let branch = self.cache.shared_prefix(&a.job.prompt, owner);
+        // The longest cached prefix, restored as the request's session (no fresh one is made for
+        // it, which on CUDA would hold a second session's memory for a moment).
+        let mut restored = None;
+        let mut snapshot_at = Vec::new();
+        if job.params.prompt_logprobs.is_none() {
+            let owner = job.session_id.as_deref();
+            let branch = self.cache.shared_prefix(&job.prompt, owner);
             let mut failed = None;
-            if let Some(hit) = self.cache.lookup(&a.job.prompt, owner, Instant::now()) {
+            if let Some(hit) = self.cache.lookup(&job.prompt, owner, Instant::now()) {
                 match self.backend.snapshot_session(hit.state) {
-                    Ok(s) => {
-                        a.session = s;
-                        a.pos = hit.len;
-                        a.cached = hit.len;
-                        a.logits = hit.logits;
-                    }
+                    Ok(s) => restored = Some((s, hit.len, hit.logits)),
                     Err(e) => {
                         eprintln!(
                             "{}: prefix cache: the snapshot of {} tokens could not be restored ({e:#}); running the whole prompt",
-                            a.job.id, hit.len
+                            job.id, hit.len
                         );
                         failed = Some(hit.len);
                     }
@@ -249,9 +221,42 @@ impl<B: Backend> Scheduler<B> {
             if let Some(len) = failed {
                 self.cache.restore_failed(len);
             }
-            if branch >= a.pos + MIN_BRANCH_TOKENS && branch < a.job.prompt.len() {
-                a.job.snapshot_at.push(branch);
+            let from = restored.as_ref().map_or(0, |r| r.1);
+            if branch >= from + MIN_BRANCH_TOKENS && branch < job.prompt.len() {
+                snapshot_at.push(branch);
             }
+        }
+        let (session, pos, logits) = match restored {
+            Some(r) => r,
+            None => match self.backend.new_session() {
+                Ok(s) => (s, 0, None),
+                Err(e) => {
+                    let message = format!("cannot start a session for this request: {e:#}");
+                    eprintln!("{}: failed: {message}", job.id);
+                    let _ = job.events.send(Event::Error(ApiError::unavailable(message)));
+                    self.shared.counters.failed.fetch_add(1, Ordering::Relaxed);
+                    return None;
+                }
+            },
+        };
+        self.serial += 1;
+        let mut a = Active {
+            serial: self.serial,
+            session,
+            pos,
+            cached: pos,
+            logits,
+            prompt_logprobs: None,
+            decoding,
+            forwarded: Vec::new(),
+            prompt_reported: false,
+            started: Instant::now(),
+            last: None,
+            job,
+        };
+        a.job.snapshot_at.extend(snapshot_at);
+        if a.job.params.prompt_logprobs.is_some() {
+            a.prompt_logprobs = Some(vec![TokenLogprob { id: a.job.prompt[0], logprob: None, top: Vec::new() }]);
         }
         Some(a)
     }

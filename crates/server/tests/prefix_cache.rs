@@ -24,6 +24,8 @@ struct Recording {
     inner: Arc<CpuModel>,
     log: Mutex<Vec<(Vec<u32>, Vec<f32>)>>,
     fail_snapshots: std::sync::atomic::AtomicBool,
+    /// Sessions made by `new_session`.
+    sessions_made: std::sync::atomic::AtomicUsize,
 }
 
 impl Backend for Recording {
@@ -32,6 +34,7 @@ impl Backend for Recording {
         "recording-cpu"
     }
     fn new_session(&self) -> anyhow::Result<CpuSession> {
+        self.sessions_made.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Backend::new_session(&*self.inner)
     }
     fn snapshot_session(&self, s: &CpuSession) -> anyhow::Result<CpuSession> {
@@ -82,6 +85,7 @@ impl Engine {
             inner: common::model(),
             log: Mutex::new(Vec::new()),
             fail_snapshots: Default::default(),
+            sessions_made: Default::default(),
         });
         let shared = Shared::new(config);
         scheduler::spawn(backend.clone(), common::spec().tokenizer, shared.clone());
@@ -233,9 +237,12 @@ fn block_snapshots_and_retained_sessions_change_nothing() {
     turn2.extend(tokens(5, 8));
     let other = warm.run(&turn2, &[], Some("someone-else"), 4);
     assert!(other.cached <= turn1.len(), "a session's snapshot served another session");
+    let made = warm.backend.sessions_made.load(std::sync::atomic::Ordering::SeqCst);
     let w = warm.run(&turn2, &[], Some("conv"), 4);
     // Every generated token but the last ran through the model in turn 1.
     assert_eq!(w.cached, turn1.len() + r1.generated.len() - 1);
+    // The restored snapshot is the request's session: no fresh one was made for it.
+    assert_eq!(warm.backend.sessions_made.load(std::sync::atomic::Ordering::SeqCst), made);
     assert_same(&cold.run(&turn2, &[], None, 4), &w, turn2.len());
 }
 
