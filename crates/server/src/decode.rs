@@ -91,6 +91,27 @@ impl Decoding {
         self.params.max_tokens == 0
     }
 
+    /// When the next token can be sampled from the `k` largest logits alone (greedy or a small
+    /// top-k, without penalties, log-probabilities or a logit bias): `Some(k)`, and the scheduler
+    /// asks the backend for just those (CUDA chooses them on the device instead of copying the
+    /// whole vocabulary back) and calls [`Decoding::step_candidates`]. `None`: full logits and
+    /// [`Decoding::step`].
+    pub fn candidates_needed(&self) -> Option<usize> {
+        if self.params.logprobs.is_some() || !self.params.logit_bias.is_empty() {
+            return None;
+        }
+        self.sampler.candidates_needed()
+    }
+
+    /// [`Decoding::step`] from the `k` largest logits of the tokenizer's vocabulary as (id, logit) in
+    /// descending order (ties to the lower id), `k` at least [`Decoding::candidates_needed`]: the
+    /// same token, the same generator state, the same step.
+    pub fn step_candidates(&mut self, candidates: &[(u32, f32)]) -> Result<Step> {
+        anyhow::ensure!(self.candidates_needed().is_some(), "this request needs the full logits");
+        let tok = self.sampler.sample_candidates(candidates)?;
+        self.sampled(tok, None)
+    }
+
     /// Samples from `logits` (the last position's, `[vocab]`) and applies every stop condition.
     pub fn step(&mut self, logits: &mut [f32]) -> Result<Step> {
         if logits.len() > self.vocab {
@@ -108,16 +129,21 @@ impl Decoding {
             }
             self.sampler.try_sample(&self.biased, &self.generated)?
         };
-        let mut out = Step { text: String::new(), tokens: Vec::new(), next: Next::Forward(tok) };
-        if self.params.stop_tokens.contains(&tok) {
-            self.finish(&mut out, Finish::Stop)?;
-            return Ok(out);
-        }
         let logprob = self.params.logprobs.map(|k| TokenLogprob {
             id: tok,
             logprob: Some(log_softmax(logits)[tok as usize]),
             top: top_logprobs(logits, k),
         });
+        self.sampled(tok, logprob)
+    }
+
+    /// Everything after sampling `tok`: stop tokens, sequences and strings, release, the length.
+    fn sampled(&mut self, tok: u32, logprob: Option<TokenLogprob>) -> Result<Step> {
+        let mut out = Step { text: String::new(), tokens: Vec::new(), next: Next::Forward(tok) };
+        if self.params.stop_tokens.contains(&tok) {
+            self.finish(&mut out, Finish::Stop)?;
+            return Ok(out);
+        }
         self.generated.push(tok);
         self.held.push(GenToken { id: tok, text_offset: 0, logprob });
 
@@ -264,6 +290,38 @@ mod tests {
             }
         }
         (text, tokens.iter().map(|t| t.id).collect(), None, tokens)
+    }
+
+    /// From the k largest logits a step picks what it picks from all of them (greedy and seeded
+    /// top-k), step after step; requests that need every logit say so.
+    #[test]
+    fn candidates_give_the_steps_of_full_logits() {
+        let tok = tokenizer();
+        let top_k = SamplingParams { temperature: 0.8, top_k: 5, seed: Some(3), ..SamplingParams::default() };
+        for sampling in [SamplingParams::greedy(), top_k] {
+            let p = GenParams { sampling, stop_tokens: vec![], ..params() };
+            let (mut full, mut cand) = (Decoding::new(p.clone(), &tok).unwrap(), Decoding::new(p, &tok).unwrap());
+            let k = cand.candidates_needed().expect("greedy and small top-k take candidates");
+            let mut seed = 17u64;
+            for _ in 0..40 {
+                let mut logits: Vec<f32> = (0..512)
+                    .map(|_| {
+                        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                        (seed >> 40) as f32 / (1u64 << 22) as f32
+                    })
+                    .collect();
+                let cands = cherenkov_engine::backend::top_of(&logits[..tok.vocab_size().min(512)], k);
+                let (a, b) = (full.step(&mut logits).unwrap(), cand.step_candidates(&cands).unwrap());
+                assert_eq!((a.next, a.text), (b.next, b.text));
+            }
+            assert_eq!(full.generated(), cand.generated());
+        }
+        let logprobs = GenParams { logprobs: Some(2), ..params() };
+        assert_eq!(Decoding::new(logprobs, &tok).unwrap().candidates_needed(), None);
+        let biased = GenParams { logit_bias: vec![(5, 1.0)], ..params() };
+        let mut d = Decoding::new(biased, &tok).unwrap();
+        assert_eq!(d.candidates_needed(), None);
+        assert!(d.step_candidates(&[(5, 1.0)]).is_err());
     }
 
     #[test]

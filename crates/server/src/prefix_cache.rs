@@ -114,6 +114,8 @@ impl<S> PrefixCache<S> {
             .enumerate()
             .filter(|(_, e)| e.owner.is_none() || e.owner.as_deref() == owner)
             .filter(|(_, e)| !e.tokens.is_empty() && prompt.starts_with(&e.tokens))
+            // A whole-prompt match is sampled from its logits: an entry without them does not serve.
+            .filter(|(_, e)| e.tokens.len() < prompt.len() || !e.logits.is_empty())
             .max_by_key(|(_, e)| (e.tokens.len(), e.owner.is_some()))
             .map(|(i, _)| i)?;
         let e = &mut self.entries[best];
@@ -316,6 +318,18 @@ mod tests {
         c.restore_failed(2);
         let s = c.stats();
         assert_eq!((s.lookups, s.hits, s.tokens_reused), (5, 2, 8));
+    }
+
+    /// A snapshot kept without logits (its request decoded from candidates) serves longer prompts
+    /// only: a prompt equal to it would have nothing to sample from.
+    #[test]
+    fn entries_without_logits_serve_only_longer_prompts() {
+        let t = Instant::now();
+        let mut c = PrefixCache::new(policy());
+        c.insert(&[1, 2, 3], vec![1, 2, 3], &[], 100, None, 1, t);
+        assert!(c.lookup(&[1, 2, 3], None, t).is_none());
+        let h = c.lookup(&[1, 2, 3, 4], None, t).unwrap();
+        assert_eq!((h.len, h.logits), (3, None));
     }
 
     #[test]

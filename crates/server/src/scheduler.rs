@@ -61,6 +61,24 @@ enum State {
     Finished,
 }
 
+/// What the last forward left for the next sampling step.
+enum NextLogits {
+    /// Every logit of the last position.
+    Full(Vec<f32>),
+    /// Only the largest few of the tokenizer's vocabulary, as (id, logit) in descending order: all
+    /// the request's sampler looks at (`Decoding::candidates_needed`).
+    Top(Vec<(u32, f32)>),
+}
+
+impl NextLogits {
+    fn full(&self) -> Option<&[f32]> {
+        match self {
+            NextLogits::Full(l) => Some(l),
+            NextLogits::Top(_) => None,
+        }
+    }
+}
+
 struct Active<S> {
     job: Job,
     serial: u64,
@@ -69,7 +87,7 @@ struct Active<S> {
     pos: usize,
     cached: usize,
     /// The logits after the session's last token, once the prompt is done.
-    logits: Option<Vec<f32>>,
+    logits: Option<NextLogits>,
     prompt_logprobs: Option<Vec<TokenLogprob>>,
     decoding: Decoding,
     /// Generated tokens run through the model (all but the last sampled one).
@@ -245,7 +263,7 @@ impl<B: Backend> Scheduler<B> {
             session,
             pos,
             cached: pos,
-            logits,
+            logits: logits.map(NextLogits::Full),
             prompt_logprobs: None,
             decoding,
             forwarded: Vec::new(),
@@ -306,23 +324,34 @@ impl<B: Backend> Scheduler<B> {
         a.pos = end;
         let boundary = end == prompt.len() || a.job.snapshot_at.contains(&end) || self.is_block_boundary(end);
         if boundary {
-            self.snapshot(a, &a.job.prompt[..end], &last);
+            self.snapshot(a, &a.job.prompt[..end], Some(&last));
         }
-        a.logits = Some(last);
+        a.logits = Some(NextLogits::Full(last));
         Ok(State::Running)
     }
 
     /// One forward, recorded in the step log with the backend's time split over it.
     fn forward(&self, kind: StepKind, session: &mut B::Session, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {
+        self.recorded(kind, tokens.len(), || self.backend.forward(session, tokens, which))
+    }
+
+    /// One decode forward that returns only the `k` largest logits (see [`NextLogits::Top`]).
+    fn forward_top(&self, session: &mut B::Session, token: u32, k: usize) -> Result<Vec<(u32, f32)>> {
+        let among = self.tokenizer.vocab_size().min(self.backend.vocab_size());
+        self.recorded(StepKind::Decode, 1, || self.backend.forward_top(session, &[token], k, among))
+    }
+
+    /// Runs `run` (one forward of `tokens` tokens), recorded in the step log.
+    fn recorded<T>(&self, kind: StepKind, tokens: usize, run: impl FnOnce() -> Result<T>) -> Result<T> {
         if !cherenkov_engine::stats::ENABLED {
-            return self.backend.forward(session, tokens, which);
+            return run();
         }
         let before = self.backend.forward_stats();
         let t = Instant::now();
-        let out = self.backend.forward(session, tokens, which)?;
+        let out = run()?;
         let elapsed = t.elapsed();
         let split = before.zip(self.backend.forward_stats()).map(|(b, a)| a.since(&b));
-        self.shared.steps.record(kind, tokens.len(), elapsed, split);
+        self.shared.steps.record(kind, tokens, elapsed, split);
         Ok(out)
     }
 
@@ -346,14 +375,16 @@ impl<B: Backend> Scheduler<B> {
         block > 0 && pos.is_multiple_of(block)
     }
 
-    fn snapshot(&mut self, a: &Active<B::Session>, tokens: &[u32], logits: &[f32]) {
+    /// Keeps a copy of the session after `tokens`, with the logits that follow them when the last
+    /// forward returned them all (a snapshot without them serves only longer prompts).
+    fn snapshot(&mut self, a: &Active<B::Session>, tokens: &[u32], logits: Option<&[f32]>) {
         let owner = a.job.session_id.as_deref();
         if !self.cache.wants(tokens, owner) {
             return;
         }
         let Some(bytes) = self.backend.session_bytes(&a.session) else { return };
         match self.backend.snapshot_session(&a.session) {
-            Ok(s) => self.cache.insert(tokens, s, logits, bytes, owner, a.serial, Instant::now()),
+            Ok(s) => self.cache.insert(tokens, s, logits.unwrap_or(&[]), bytes, owner, a.serial, Instant::now()),
             Err(e) => eprintln!("{}: prefix cache: no snapshot of {} tokens ({e:#})", a.job.id, tokens.len()),
         }
     }
@@ -367,25 +398,31 @@ impl<B: Backend> Scheduler<B> {
         }
         let mut logits = a.logits.take().expect("the prompt leaves logits");
         if a.decoding.done_before_start() {
-            return Ok(self.finish(a, Finish::Length, &logits));
+            return Ok(self.finish(a, Finish::Length, logits.full()));
         }
-        let step = a.decoding.step(&mut logits)?;
+        let step = match &mut logits {
+            NextLogits::Full(l) => a.decoding.step(l)?,
+            NextLogits::Top(c) => a.decoding.step_candidates(c)?,
+        };
         if !step.text.is_empty() || !step.tokens.is_empty() {
             let _ = a.job.events.send(Event::Text { text: step.text, tokens: step.tokens });
         }
         match step.next {
             Next::Forward(tok) => {
-                a.logits = Some(self.forward(StepKind::Decode, &mut a.session, &[tok], Logits::Last)?);
+                a.logits = Some(match a.decoding.candidates_needed() {
+                    Some(k) => NextLogits::Top(self.forward_top(&mut a.session, tok, k)?),
+                    None => NextLogits::Full(self.forward(StepKind::Decode, &mut a.session, &[tok], Logits::Last)?),
+                });
                 a.forwarded.push(tok);
                 Ok(State::Running)
             }
-            Next::Finished(f) => Ok(self.finish(a, f, &logits)),
+            Next::Finished(f) => Ok(self.finish(a, f, logits.full())),
         }
     }
 
     /// Reports the end; a retained session keeps the final state (prompt and the generated tokens
     /// that ran through the model) for its next request.
-    fn finish(&mut self, a: &mut Active<B::Session>, finish: Finish, logits: &[f32]) -> State {
+    fn finish(&mut self, a: &mut Active<B::Session>, finish: Finish, logits: Option<&[f32]>) -> State {
         let usage = Usage {
             prompt_tokens: a.job.prompt.len(),
             cached_tokens: a.cached,

@@ -31,6 +31,8 @@ struct Scripted {
     forwards: AtomicUsize,
     /// While set, new sessions fail (as when a GPU's memory is full).
     fail_sessions: std::sync::atomic::AtomicBool,
+    /// Forwards that returned only the largest logits.
+    top_forwards: AtomicUsize,
 }
 
 impl Backend for Scripted {
@@ -70,6 +72,11 @@ impl Backend for Scripted {
     fn vocab_size(&self) -> usize {
         VOCAB
     }
+    fn forward_top(&self, s: &mut Vec<u32>, tokens: &[u32], k: usize, among: usize) -> anyhow::Result<Vec<(u32, f32)>> {
+        self.top_forwards.fetch_add(1, Ordering::SeqCst);
+        let logits = self.forward(s, tokens, Logits::Last)?;
+        Ok(cherenkov_engine::backend::top_of(&logits[..among.min(VOCAB)], k))
+    }
     fn pool_stats(&self) -> PoolStats {
         PoolStats::default()
     }
@@ -83,6 +90,7 @@ fn engine(delay_ms: u64, edit: impl FnOnce(&mut Config)) -> (Arc<Scripted>, Arc<
         log: Mutex::new(vec![]),
         forwards: AtomicUsize::new(0),
         fail_sessions: Default::default(),
+        top_forwards: AtomicUsize::new(0),
     });
     let shared = Shared::new(config);
     scheduler::spawn(backend.clone(), common::spec().tokenizer, shared.clone());
@@ -250,4 +258,33 @@ fn a_session_that_cannot_be_made_fails_only_its_request() {
     assert!(finish(&mut rb).is_none());
     let s = shared.status();
     assert_eq!((s.failed, s.completed), (1, 1));
+}
+
+/// Greedy decoding asks the backend for the largest logit only (CUDA picks it on the device); a
+/// request that wants log-probabilities gets every logit. Both generate the same tokens.
+#[test]
+fn greedy_decode_steps_take_candidates_and_logprobs_take_everything() {
+    let (backend, shared) = engine(0, |_| {});
+    let tokens = |rx: &mut UnboundedReceiver<Event>| {
+        let mut out = Vec::new();
+        loop {
+            match rx.blocking_recv() {
+                Some(Event::Text { tokens, .. }) => out.extend(tokens.iter().map(|t| t.id)),
+                Some(Event::Done { .. }) => return out,
+                Some(Event::Error(e)) => panic!("{}", e.message),
+                Some(_) => {}
+                None => panic!("the job ended without Done"),
+            }
+        }
+    };
+    let (a, mut ra) = job(100, 6, LONG);
+    shared.submit(a).unwrap();
+    let greedy = tokens(&mut ra);
+    // One prefill, then 5 decode forwards (the 6th token is sampled, never run).
+    assert_eq!(backend.top_forwards.load(Ordering::SeqCst), 5);
+    let (mut b, mut rb) = job(100, 6, LONG);
+    b.params.logprobs = Some(2);
+    shared.submit(b).unwrap();
+    assert_eq!(tokens(&mut rb), greedy);
+    assert_eq!(backend.top_forwards.load(Ordering::SeqCst), 5, "a logprobs request took candidates");
 }
