@@ -4,9 +4,9 @@
 //! staging buffer ([`stage_record`]: positioned reads of its pieces in parallel on the rayon pool
 //! through small bounce buffers, streamed into the staging buffer with non-temporal stores, each
 //! piece checked against its own checksum when the store has them, else the whole record checked
-//! while the copy runs), copies it into its slot on its own stream, and waits for the copy before it reports the
-//! slot loaded; the pool never loads a slot that a step is using, so kernels never see a
-//! half-written record.
+//! while the copy runs), copies it into its slot on its own stream, and waits for the copy before
+//! it reports the slot loaded; the pool never loads a slot that a step is using, so kernels never
+//! see a half-written record.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
