@@ -29,7 +29,7 @@ use crate::{integrity, space, stores};
 #[derive(clap::Args, Debug, Clone)]
 pub struct PrepareArgs {
     /// What to pack: a checkpoint directory (config.json plus *.safetensors: Hugging Face BF16, or
-    /// an MLX affine conversion), hf://org/repo[@revision], disk://STORE/path[@revision], or a
+    /// an MLX affine conversion), `hf://org/repo[@revision]`, `disk://STORE/path[@revision]`, or a
     /// registered name (its recorded source is prepared again).
     pub source: String,
     /// Name to register the model under (letters, digits, '-', '_', '.'; not starting with '.').

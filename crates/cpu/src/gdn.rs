@@ -3,7 +3,7 @@
 //! qkv = silu(causal depthwise conv(in_proj_qkv h)); z = in_proj_z h; beta = sigmoid(in_proj_b h);
 //! g = -exp(A_log) softplus(in_proj_a h + dt_bias). q and k are l2-normalised per key head (q also
 //! scaled by dk^-1/2) and shared by the value heads of their group. Per value head with state
-//! S[dk][dv] (f32):  S *= exp(g);  delta = beta (v - S^T k);  S += k delta^T;  y = S^T q.
+//! `S[dk][dv]` (f32):  `S *= exp(g);  delta = beta (v - S^T k);  S += k delta^T;  y = S^T q`.
 //! Then y = rmsnorm(y) * weight * act(z) per head (act = sigmoid or silu) and out = out_proj y.
 
 use cherenkov_model::config::{GateAct, TextConfig};

@@ -2,7 +2,7 @@
 //!
 //! Read (`GatedResidual`): n = hc_norm(x) per stream; mix = sigmoid(W_up silu(W_down n / hc));
 //! input = mean over streams of mix * n; inject = 2 sigmoid(W_inject n / hc).
-//! After the block F: x += inject (outer) F(input): stream s gets inject[s] * F(input).
+//! After the block F: x += inject (outer) F(input): stream s gets `inject[s] * F(input)`.
 //! The final mixer is a read without injection.
 
 use cherenkov_model::config::TextConfig;

@@ -1,7 +1,7 @@
 //! Per-layer handles to the store's dense tensors, resolved once by name.
 //!
-//! A handle is an index into the store's tensor table; [`W::lin`] and [`W::f32`] borrow the mapped
-//! bytes on use, so nothing is copied or decoded ahead of time. Small vectors (norm weights,
+//! A handle is an index into the store's tensor table; [`W::lin`] borrows the mapped bytes on
+//! use, so nothing is copied or decoded ahead of time. Small vectors (norm weights,
 //! `A_log`, `dt_bias`, conv kernels) are decoded to f32 once at load: they are a few KB per layer.
 
 use anyhow::{Context, Result};

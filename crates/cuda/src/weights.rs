@@ -67,13 +67,13 @@ pub enum MatvecOutput {
     /// y (rows floats).
     Store(u64),
     /// Injected into the hyper-connection residual `x` (hc streams of rows floats), as `hc_inject`
-    /// does: x[s rows + j] += 2 sigmoid(inj[s] / hc) y[j]. The `matvec_q*` kernels do it as they
+    /// does: `x[s rows + j] += 2 sigmoid(inj[s] / hc) y[j]`. The `matvec_q*` kernels do it as they
     /// write each row; where the split or float kernels run instead, y goes to `scratch` first and
     /// `hc_inject` follows.
     Inject { x: u64, inj: u64, hc: usize, scratch: u64 },
 }
 
-/// x[s h + j] += 2 sigmoid(inj[s] / hc) out[j] for the `hc` streams of `h` (`hc_inject` in ops.cu).
+/// `x[s h + j] += 2 sigmoid(inj[s] / hc) out[j]` for the `hc` streams of `h` (`hc_inject` in ops.cu).
 pub fn hc_inject(gpu: &Gpu, x: u64, inj: u64, out: u64, hc: usize, h: usize) -> Result<()> {
     gpu.launch(
         "hc_inject",
@@ -508,7 +508,7 @@ pub fn matvec_many(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)]) -> Result<()>
 }
 
 /// The hyper-connection read's up projection and mix in one launch (`hc_up_mix` in linear.cu):
-/// out[j] = mean over the 4 streams s of sigmoid((W_up in(x))[s h + j]) normed[s h + j]. Returns
+/// `out[j]` = mean over the 4 streams s of `sigmoid((W_up in(x))[s h + j]) normed[s h + j]`. Returns
 /// false, queueing nothing, where the kernel does not apply (other than 4 streams, or an up
 /// projection the tiled kernels do not take): the caller then runs the matvec and `hc_mix`.
 pub fn hc_up_mix(

@@ -5,7 +5,7 @@
 //! - [`Hub`]: the HTTP API: [`Hub::repo_info`] (the commit a revision names and its files) and
 //!   [`Hub::file_meta`] (size, hash and download location of a file).
 //! - [`HubCache`]: the cache layout; also resolves snapshots already in a cache.
-//! - [`download`]: resumable, hash-checked downloads of a commit's files into the cache.
+//! - [`download`](mod@download): resumable, hash-checked downloads of a commit's files into the cache.
 //! - [`disk`]: free space and file systems.
 
 pub mod cache;

@@ -5,7 +5,7 @@
 //! from `ngram_vocab_size_base` on, numbered across all PLE layers (`k * heads + h`); the heads'
 //! tables are concatenated (`offset_h`) and the total padded to `make_ngram_vocab_size_divisible_by`.
 //! For the token at position p and n in 2..=ngram_size:
-//!   mix_n = t[p]*m[0] ^ t[p-1]*m[1] ^ ... ^ t[p-n+1]*m[n-1]
+//!   `mix_n = t[p]*m[0] ^ t[p-1]*m[1] ^ ... ^ t[p-n+1]*m[n-1]`
 //!   row   = (mix_n mod prime_h) + offset_h        for each head h of order n
 //! where t[p-s] is replaced by EOS when it lies before the sequence or at/before the last EOS
 //! strictly before p (segments restart after EOS). The multipliers m come from splitmix64 seeded

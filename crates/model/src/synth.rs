@@ -11,9 +11,9 @@
 //!
 //! Writing streams: every shape is known first, each shard's header is written, then each tensor's
 //! bytes are generated block by block and appended, so a checkpoint of many GB never sits in
-//! memory (about 16 blocks of [`init::BLOCK`] elements at a time).
+//! memory (about 16 blocks of `init::BLOCK` elements at a time).
 //!
-//! Values (see [`init`]): linears N(0, 1/fan_in), routers N(0, router_gain^2/fan_in), embeddings
+//! Values (see `synth/init.rs`): linears N(0, 1/fan_in), routers N(0, router_gain^2/fan_in), embeddings
 //! and n-gram rows N(0, 1), zero-centred norm weights N(0, 0.1^2), the Gated DeltaNet `norm.weight`
 //! N(1, 0.1^2), `A_log` = ln U(0.5, 4) in f32, `dt_bias` N(0, 0.5^2), convolutions N(0, 0.3^2).
 
