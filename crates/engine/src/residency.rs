@@ -104,18 +104,13 @@ pub trait RecordSource: Sync {
     fn piece_bytes(&self) -> Option<usize> {
         None
     }
-    /// Reads piece `i` (of [`RecordSource::piece_bytes`]) into `buf` and checks it; every piece
-    /// checked is the whole record checked.
-    fn read_piece(&self, i: usize, buf: &mut [u8]) -> Result<()> {
-        let _ = (i, buf);
-        bail!("this record has no piece checksums")
-    }
     /// Advises the OS that the whole record is about to be read (before its pieces are read in
     /// parallel); a no-op unless the source is a file not in the page cache.
     fn advise(&self) {}
-    /// Reads and checks piece `i` like [`RecordSource::read_piece`], in chunks through `bounce`,
-    /// handing each to `put(offset in the piece, bytes)` (for destinations written with
-    /// non-temporal stores; see `Store::read_expert_piece_chunked`).
+    /// Reads piece `i` (of [`RecordSource::piece_bytes`]) in chunks through `bounce`, handing each
+    /// to `put(offset in the piece, bytes)`, and checks the piece; every piece checked is the whole
+    /// record checked (the CUDA loader writes the chunks with non-temporal stores; see
+    /// `Store::read_expert_piece_chunked`).
     fn read_piece_chunked(&self, i: usize, bounce: &mut [u8], put: &mut dyn FnMut(usize, &[u8])) -> Result<()> {
         let _ = (i, bounce, put);
         bail!("this record has no piece checksums")
@@ -138,9 +133,6 @@ impl RecordSource for StoreRecord<'_> {
     }
     fn piece_bytes(&self) -> Option<usize> {
         self.store.expert_piece_bytes()
-    }
-    fn read_piece(&self, i: usize, buf: &mut [u8]) -> Result<()> {
-        self.store.read_expert_piece(self.layer, self.expert, i, buf)
     }
     fn advise(&self) {
         self.store.advise_expert(self.layer, self.expert);
