@@ -1237,14 +1237,17 @@ impl CudaModel {
         }
         // SAFETY: downloaded before the router-ready event, which the caller waited for.
         let w = unsafe { &mb.weights_host.as_slice::<f32>()[l * k..(l + 1) * k] };
-        let dropped = |i: usize| !lease.is_ready(i) && w[i] < weak;
-        let mut new_order: Vec<usize> = order[..hits].to_vec();
-        new_order.extend(order[hits..].iter().copied().filter(|&i| !dropped(i)));
+        // Decided once per entry: a read may finish while the table is being built, and an entry
+        // judged twice could land in neither part (a rank without an entry).
+        let (mut new_order, mut cut): (Vec<usize>, Vec<usize>) = (order[..hits].to_vec(), Vec::new());
+        for &i in &order[hits..] {
+            if !lease.is_ready(i) && w[i] < weak { cut.push(i) } else { new_order.push(i) }
+        }
         let kept = new_order.len();
         if kept == k {
             return Ok(k);
         }
-        new_order.extend(order[hits..].iter().copied().filter(|&i| dropped(i)));
+        new_order.extend(cut);
         // SAFETY: the table's first upload ran before the resident kernels, which have finished
         // (the deadline passed), so these rows are not being read.
         unsafe { self.write_table(mb, l, lease, &new_order, kept)? };
