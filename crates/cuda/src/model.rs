@@ -13,9 +13,10 @@
 //! - Streaming (a bounded cache): the handshake per MoE block is
 //!   1. router ready: the router kernel writes its choice into host-mapped memory and an event
 //!      marks it; the host waits for that event only (the shared expert is still running);
-//!   2. table ready: the host leases the experts (misses go to the IO threads, then the
-//!      lookahead's predicted experts for the next block behind them), writes the table with the
-//!      resident experts first and queues their kernels;
+//!   2. table ready: the host leases the experts (misses go to the IO threads), writes the table
+//!      with the resident experts first and queues their kernels; then it reads the lookahead's
+//!      prediction for the next block (the next router on this block's input, queued after the
+//!      router-ready event so it never delays it) and queues those reads behind the misses;
 //!   3. resident done: those kernels run while the reads finish;
 //!   4. reads done: the host queues the kernels of the experts that were read, then the
 //!      combination. The lease (which keeps the slots from being reused) is released once a later
@@ -140,8 +141,9 @@ pub(crate) struct MoeBufs {
     map: Option<DevBuf>,
     /// Whether residency was decided (the first step decides).
     decided: bool,
-    /// Per MoE layer: router ready; resident experts' kernels start/end; read experts' start/end.
-    events: Vec<[Event; 5]>,
+    /// Per MoE layer: router ready; resident experts' kernels start/end; read experts' start/end;
+    /// the lookahead's prediction ready.
+    events: Vec<[Event; 6]>,
 }
 
 /// One step's MoE bookkeeping: the lease whose kernels may still run, the MoE layers routed, and
@@ -214,7 +216,16 @@ impl MoeBufs {
         let (l, k, e) = (layers.max(1), c.num_experts_per_tok.max(1), c.num_experts.max(1));
         let what = "the routing tables";
         let events = (0..l)
-            .map(|_| Ok([gpu.event(false)?, gpu.event(true)?, gpu.event(true)?, gpu.event(true)?, gpu.event(true)?]))
+            .map(|_| {
+                Ok([
+                    gpu.event(false)?,
+                    gpu.event(true)?,
+                    gpu.event(true)?,
+                    gpu.event(true)?,
+                    gpu.event(true)?,
+                    gpu.event(false)?,
+                ])
+            })
             .collect::<Result<Vec<_>>>()?;
         Ok(MoeBufs {
             ids: gpu.zeros(l * k * 4, what)?,
@@ -1069,7 +1080,17 @@ impl CudaModel {
             table,
             ranks,
         )?;
-        // Lookahead (streaming only): the next block's router on this block's input.
+        let ev = &mb.events[l];
+        if !resident {
+            if self.cut_weak.is_some() {
+                // The routing weights too, for the deadline cut.
+                g.download(&mb.weights_host, l * k * 4, weights, k * 4)?;
+            }
+            g.record(&ev[0])?;
+        }
+        // Lookahead (streaming only): the next block's router on this block's input, queued after
+        // the router-ready event so it does not delay this block's reads; the host reads the
+        // prediction once this block's resident experts are queued.
         let ahead_of = next.filter(|_| self.lookahead && !resident);
         if let Some(n) = ahead_of {
             let nl = n.expert_slot;
@@ -1079,14 +1100,7 @@ impl CudaModel {
             let ids = mb.pred_ids.at(nl * k * 4);
             let host = mb.pred_host.dev + (nl * k * 4) as u64;
             self.route(ahead.ptr, bias, ids, mb.pred_weights.at(nl * k * 4), host, 0, 0, 0)?;
-        }
-        let ev = &mb.events[l];
-        if !resident {
-            if self.cut_weak.is_some() {
-                // The routing weights too, for the deadline cut.
-                g.download(&mb.weights_host, l * k * 4, weights, k * 4)?;
-            }
-            g.record(&ev[0])?;
+            g.record(&ev[5])?;
         }
         // The shared expert's down projection runs while the host reads the routing: silu(gate) * up,
         // applied as it stages its input.
@@ -1135,9 +1149,8 @@ impl CudaModel {
         // SAFETY: the router kernel that wrote these has finished (ev[0]); nothing writes them now.
         let experts: Vec<usize> =
             unsafe { mb.ids_host.as_slice::<i32>() }[l * k..(l + 1) * k].iter().map(|&i| i as usize).collect();
-        // 2. Lease (misses are queued first), then the lookahead's reads behind them.
+        // 2. Lease (misses are queued first).
         let lease = self.pool.acquire(l, &experts)?;
-        self.look_ahead(mb, l, &experts, ahead_of)?;
         let entries = lease.entries();
         // Table order: resident first, then the rest, each by routing weight (experts arrive sorted).
         let mut order: Vec<usize> = (0..entries.len()).filter(|&i| entries[i].hit).collect();
@@ -1150,6 +1163,11 @@ impl CudaModel {
         g.record(&ev[1])?;
         self.launch_experts(sc, layout, table, 0, hits)?;
         g.record(&ev[2])?;
+        // The lookahead's reads, behind this block's misses.
+        if ahead_of.is_some() {
+            ev[5].wait()?;
+        }
+        self.look_ahead(mb, l, &experts, ahead_of)?;
         // 4. Reads done: the read experts, then the combination.
         if hits < k {
             let tw = std::time::Instant::now();
@@ -1347,7 +1365,8 @@ impl CudaModel {
         let Some(n) = next else { return Ok(()) };
         let k = self.config().num_experts_per_tok;
         let nl = n.expert_slot;
-        // SAFETY: written by a kernel that finished before the router-ready event the caller waited for.
+        // SAFETY: written by a kernel that finished before the prediction-ready event the caller
+        // waited for.
         let guess: Vec<usize> =
             unsafe { mb.pred_host.as_slice::<i32>() }[nl * k..(nl + 1) * k].iter().map(|&i| i as usize).collect();
         self.pool.prefetch(nl, &guess);
