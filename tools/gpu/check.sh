@@ -31,9 +31,12 @@ SYN=${SYN:-/tmp/cherenkov-flash4}
   echo "## kernels and golden fixtures"
   $BIN gpu-check --fixtures fixtures/golden --store "$STORE"
   echo
-  echo "## run --check on the synthetic model, expert cache of 40 records (a quarter of its 160)"
+  echo "## run --check on the synthetic model, expert cache of 40 records (a quarter of its 160), expert file pinned"
   REC=$(python3 -c "import json; print(json.load(open('$STORE/manifest.json'))['experts']['record_bytes'])")
-  $BIN run flash4 "Explain hash collisions." --backend cuda --check --expert-cache $((40 * REC)) --max-tokens 16 --temperature 0
+  $BIN run flash4 "Explain hash collisions." --backend cuda --check --expert-cache $((40 * REC)) --max-tokens 16 --temperature 0 --pin-experts on
+  echo
+  echo "## the same with the expert file not pinned (the CPU reads each missing record)"
+  $BIN run flash4 "Explain hash collisions." --backend cuda --check --expert-cache $((40 * REC)) --max-tokens 16 --temperature 0 --pin-experts off
   echo
   echo "## the deadline cut runs (--cut-weak: not reproducible, so only that it completes)"
   OUTTXT=$($BIN run flash4 "Explain hash collisions." --backend cuda --cut-weak 0.05 --expert-cache $((40 * REC)) --max-tokens 16 --temperature 0 2>/dev/null)
@@ -45,4 +48,15 @@ SYN=${SYN:-/tmp/cherenkov-flash4}
     B=$($BIN run flash4 "Explain hash collisions." --backend cuda $mode --max-tokens 16 2>/dev/null)
     if [ "$A" = "$B" ]; then echo "$mode: identical"; else printf '%s: DIFFERENT\ncpu:  %q\ncuda: %q\n' "$mode" "$A" "$B"; fi
   done
+  echo
+  echo "## the server, CPU vs CUDA (greedy and top-k from device candidates, logprobs, a prefix-cache restore)"
+  for backend in cpu cuda; do
+    PORT=$((18400 + RANDOM % 1000))
+    $BIN serve --model flash4 --backend $backend --port $PORT --expert-cache $((40 * REC)) >"$OUTDIR/serve-$backend.log" 2>&1 &
+    PID=$!
+    python3 tools/gpu/server_check.py "http://127.0.0.1:$PORT/v1" >"$OUTDIR/server-$backend.txt" || echo "server check on $backend FAILED (see serve-$backend.log)"
+    kill $PID; wait $PID 2>/dev/null || true
+  done
+  cat "$OUTDIR/server-cuda.txt"
+  if cmp -s "$OUTDIR/server-cpu.txt" "$OUTDIR/server-cuda.txt"; then echo "server: CPU and CUDA identical"; else echo "server: DIFFERENT"; diff "$OUTDIR/server-cpu.txt" "$OUTDIR/server-cuda.txt" || true; fi
 } 2>&1 | tee "$OUTDIR/gpu-check.txt"

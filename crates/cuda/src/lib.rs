@@ -14,6 +14,7 @@ pub mod check;
 pub mod compile;
 pub mod gpu;
 pub mod model;
+pub mod pinned;
 pub mod session;
 pub mod slots;
 pub mod weights;

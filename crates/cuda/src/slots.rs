@@ -7,6 +7,9 @@
 //! while the copy runs), copies it into its slot on its own stream, and waits for the copy before
 //! it reports the slot loaded; the pool never loads a slot that a step is using, so kernels never
 //! see a half-written record.
+//!
+//! With the store's expert file pinned ([`PinnedExperts`], `--pin-experts`), there is no staging:
+//! the copy engine copies the record straight from its page-cache pages into the slot.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,6 +23,7 @@ use cudarc::driver::sys;
 use rayon::prelude::*;
 
 use crate::gpu::{DevBuf, Gpu};
+use crate::pinned::PinnedExperts;
 
 /// A page-locked host buffer (so the copy engine can read it directly).
 struct Pinned {
@@ -134,7 +138,9 @@ pub struct DeviceSlots {
     /// concurrent load.
     staging: Mutex<Vec<Staging>>,
     /// Where load time goes (see [`LoadSplit`]).
-    split: [AtomicU64; 6],
+    split: [AtomicU64; 7],
+    /// The store's expert file pinned for the copy engine, if it is.
+    pinned: Option<PinnedExperts>,
 }
 
 /// One concurrent load's staging buffer, copy stream and copy timing events.
@@ -148,10 +154,12 @@ struct Staging {
 /// Where the loads' time went, summed over loads (ns): reading the pieces into pinned memory,
 /// queueing the copy (the driver call), checking the sum (while the copy runs), and waiting for the
 /// copy after that; and the copy as the GPU's events time it (from the point its stream reached it,
-/// which includes any wait for the copy engine behind other loads' copies, to its end).
+/// which includes any wait for the copy engine behind other loads' copies, to its end). `direct`
+/// counts the loads copied straight from the pinned expert file (no reading, no checksum).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LoadSplit {
     pub loads: u64,
+    pub direct: u64,
     pub read_ns: u64,
     pub queue_ns: u64,
     pub verify_ns: u64,
@@ -173,13 +181,32 @@ impl DeviceSlots {
             record_bytes,
             staging: Mutex::new(Vec::new()),
             split: Default::default(),
+            pinned: None,
         })
+    }
+
+    /// Loads records from now on straight from `pinned` (the pool's store's expert file).
+    pub fn set_pinned(&mut self, pinned: PinnedExperts) {
+        self.pinned = Some(pinned);
+    }
+
+    /// Bytes of the expert file pinned for the copy engine (0: records are read by the CPU).
+    pub fn pinned_bytes(&self) -> u64 {
+        self.pinned.as_ref().map_or(0, PinnedExperts::bytes)
     }
 
     /// Where the loads' time went so far.
     pub fn load_split(&self) -> LoadSplit {
         let g = |i: usize| self.split[i].load(Ordering::Relaxed);
-        LoadSplit { loads: g(0), read_ns: g(1), queue_ns: g(4), verify_ns: g(2), copy_wait_ns: g(3), copy_gpu_ns: g(5) }
+        LoadSplit {
+            loads: g(0),
+            direct: g(6),
+            read_ns: g(1),
+            queue_ns: g(4),
+            verify_ns: g(2),
+            copy_wait_ns: g(3),
+            copy_gpu_ns: g(5),
+        }
     }
 
     /// Zeroes [`DeviceSlots::load_split`].
@@ -215,6 +242,40 @@ impl DeviceSlots {
     }
 }
 
+impl DeviceSlots {
+    /// Copies a record from the pinned expert file (checked when it was pinned) into `slot` on the
+    /// staging's stream and waits for it.
+    fn copy_pinned(&self, slot: usize, src: &[u8], staging: &Staging) -> Result<()> {
+        let stream = staging.stream;
+        let t0 = Instant::now();
+        // SAFETY: the slot holds record_bytes (= src.len()); src is registered host memory that
+        // outlives the copy, which is waited for below; the events belong to this context.
+        let queued = unsafe {
+            cu::event::record(staging.start, stream).map_err(|e| anyhow!("cannot record an event: {e}"))?;
+            let r = cu::memcpy_htod_async(self.slot_ptr(slot), src, stream)
+                .map_err(|e| anyhow!("copy of a pinned expert record to the GPU failed: {e}"));
+            let _ = cu::event::record(staging.end, stream);
+            r
+        };
+        let t1 = Instant::now();
+        // SAFETY: the stream belongs to this context.
+        let synced = unsafe { cu::stream::synchronize(stream) }
+            .map_err(|e| anyhow!("copy of a pinned expert record to the GPU failed: {e}"));
+        queued?;
+        synced?;
+        let done = Instant::now();
+        // SAFETY: both events were recorded on this stream and have completed.
+        let gpu_ms = unsafe { cu::event::elapsed(staging.start, staging.end) }.unwrap_or(0.0);
+        let ns = |a: Instant, b: Instant| b.duration_since(a).as_nanos() as u64;
+        self.split[0].fetch_add(1, Ordering::Relaxed);
+        self.split[6].fetch_add(1, Ordering::Relaxed);
+        self.split[4].fetch_add(ns(t0, t1), Ordering::Relaxed);
+        self.split[3].fetch_add(ns(t1, done), Ordering::Relaxed);
+        self.split[5].fetch_add((gpu_ms as f64 * 1e6) as u64, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
 impl SlotMemory for DeviceSlots {
     fn slot_count(&self) -> usize {
         self.slot_count
@@ -227,6 +288,13 @@ impl SlotMemory for DeviceSlots {
     fn load(&self, slot: usize, record: &dyn RecordSource) -> Result<()> {
         self.gpu.bind()?;
         let staging = self.take_staging()?;
+        let direct =
+            self.pinned.as_ref().zip(record.location()).and_then(|(p, (dir, at))| p.record(dir, at, self.record_bytes));
+        if let Some(src) = direct {
+            let result = self.copy_pinned(slot, src, &staging);
+            self.staging.lock().unwrap().push(staging);
+            return result;
+        }
         let (pinned, stream) = (&staging.pinned, staging.stream);
         // SAFETY: the pinned buffer is len bytes, owned by this call until returned below.
         let host = unsafe { std::slice::from_raw_parts_mut(pinned.ptr, pinned.len) };

@@ -115,6 +115,12 @@ pub trait RecordSource: Sync {
         let _ = (i, bounce, put);
         bail!("this record has no piece checksums")
     }
+    /// Where the record lies: its store's directory and the record's byte offset in the store's
+    /// expert file (for a loader that copies straight from the file's pinned pages); None for a
+    /// record that is not in a store file.
+    fn location(&self) -> Option<(&std::path::Path, u64)> {
+        None
+    }
 }
 
 /// The record of (MoE slot `layer`, `expert`) in a store: what the pool's IO threads load.
@@ -139,6 +145,10 @@ impl RecordSource for StoreRecord<'_> {
     }
     fn read_piece_chunked(&self, i: usize, bounce: &mut [u8], put: &mut dyn FnMut(usize, &[u8])) -> Result<()> {
         self.store.read_expert_piece_chunked(self.layer, self.expert, i, bounce, put)
+    }
+    fn location(&self) -> Option<(&std::path::Path, u64)> {
+        let ef = &self.store.manifest.experts;
+        Some((&self.store.dir, ef.record_index(self.layer, self.expert) * ef.record_bytes))
     }
 }
 

@@ -772,3 +772,52 @@ fn demand_reads_go_ahead_of_queued_prefetches() {
     assert_eq!(order.len(), 4, "{order:?}");
     assert_eq!(&order[1..3], &[miss.entries()[0].slot, joined.entries()[0].slot], "{order:?}");
 }
+
+/// Slots filled the way the CUDA loader fills them from a pinned expert file: straight from the
+/// bytes at the record's location in the store's expert file, never through the record's reads.
+struct FileSlots {
+    file: Vec<u8>,
+    dir: std::path::PathBuf,
+    slots: Mutex<Vec<Vec<u8>>>,
+    record: usize,
+}
+
+impl SlotMemory for FileSlots {
+    fn slot_count(&self) -> usize {
+        self.slots.lock().unwrap().len()
+    }
+    fn record_bytes(&self) -> usize {
+        self.record
+    }
+    fn load(&self, slot: usize, record: &dyn RecordSource) -> Result<()> {
+        let (dir, at) = record.location().expect("a store record has a location");
+        assert_eq!(dir, self.dir);
+        let at = at as usize;
+        self.slots.lock().unwrap()[slot] = self.file[at..at + self.record].to_vec();
+        Ok(())
+    }
+}
+
+#[test]
+fn store_records_name_where_they_lie_in_the_expert_file() {
+    let f = fixture();
+    let ef = &f.store.manifest.experts;
+    let record = f.store.record_bytes();
+    let memory = Arc::new(FileSlots {
+        file: std::fs::read(f.store.dir.join(&ef.file)).unwrap(),
+        dir: f.store.dir.clone(),
+        slots: Mutex::new(vec![Vec::new(); 4]),
+        record,
+    });
+    let pool = ExpertPool::new(Arc::clone(&f.store), memory.clone(), 2).unwrap();
+    for layer in 0..ef.layers.len() {
+        for experts in [[0usize, 3], [5, 1]] {
+            let lease = pool.acquire(layer, &experts).unwrap();
+            lease.wait_all().unwrap();
+            for e in lease.entries() {
+                let got = memory.slots.lock().unwrap()[e.slot].clone();
+                assert!(got == f.records[layer][e.expert], "layer {layer} expert {}", e.expert);
+            }
+        }
+    }
+}

@@ -1,0 +1,163 @@
+//! The store's expert file pinned where the page cache holds it, so the copy engine reads missing
+//! records straight from there.
+//!
+//! A streamed miss otherwise costs a CPU copy before the GPU copy: the record is read from the page
+//! cache into pinned staging memory (0.27-0.29 ms per 2.64 MiB record on the H200 host, bound by
+//! host memory bandwidth when several loads run at once), then copied to the GPU (0.06-0.08 ms).
+//! CUDA can register a read-only file mapping (`cuMemHostRegister` with
+//! `CU_MEMHOSTREGISTER_READ_ONLY`): that pins the file's page-cache pages, and the copy engine then
+//! reads a record from them at the pinned-memory rate (46 GB/s, 0.06 ms per record, in
+//! `tools/gpu/register_probe.py`), with no CPU copy at all.
+//!
+//! Pinning keeps the whole expert file in host memory for as long as the model is loaded (it
+//! cannot be evicted), so it is only for hosts with the memory to spare (`--pin-experts`). Every
+//! record is checked against the store's checksums once, when the file is pinned, by positioned
+//! reads of the same page-cache pages; a store is never written after `prepare`, so a record is not
+//! checked again on each load as records read by the CPU are.
+
+use std::ffi::c_void;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, Result, anyhow, bail};
+use cherenkov_model::store::Store;
+use cudarc::driver::sys;
+use rayon::prelude::*;
+
+use crate::gpu::Gpu;
+
+/// Bytes registered per `cuMemHostRegister` call (whole records; progress is reported per chunk).
+const CHUNK_BYTES: usize = 1 << 30;
+
+/// A store's expert file, mapped read-only, checked, and registered with CUDA in chunks of whole
+/// records.
+pub struct PinnedExperts {
+    gpu: Arc<Gpu>,
+    /// The store directory the file belongs to (what [`RecordSource::location`] names).
+    ///
+    /// [`RecordSource::location`]: cherenkov_engine::residency::RecordSource::location
+    dir: PathBuf,
+    map: memmap2::Mmap,
+    /// The registered ranges of the map (start, bytes), in order.
+    chunks: Vec<(usize, usize)>,
+}
+
+// SAFETY: the map is read-only and never read by the CPU after checking; the registered ranges are
+// only handed to the copy engine.
+unsafe impl Send for PinnedExperts {}
+unsafe impl Sync for PinnedExperts {}
+
+impl PinnedExperts {
+    /// Checks every record of the store's expert file and pins the file's pages for the GPU,
+    /// calling `progress(bytes done)` as it goes. Reading the records first (in parallel, on the
+    /// rayon pool) also brings a cold file into the page cache, so the registration that follows
+    /// finds its pages there.
+    pub fn pin(gpu: Arc<Gpu>, store: &Store, progress: &(dyn Fn(u64) + Sync)) -> Result<PinnedExperts> {
+        let ef = &store.manifest.experts;
+        let path = store.dir.join(&ef.file);
+        gpu.bind()?;
+        let supported = gpu
+            .ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED)
+            .map_err(|e| anyhow!("cannot query the GPU's attributes: {e}"))?;
+        if supported == 0 {
+            bail!("{} cannot register read-only host memory, so the expert file cannot be pinned", gpu.info.name);
+        }
+        let file = std::fs::File::open(&path).with_context(|| format!("cannot open {}", path.display()))?;
+        // SAFETY: a read-only shared mapping of a store file, which nothing writes after `prepare`;
+        // the CPU never reads through it (the checks below use positioned reads), so a file cut
+        // short under it cannot fault this process.
+        let map = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))?;
+        let record = ef.record_bytes as usize;
+        let records = ef.records() as usize;
+        if map.len() < records * record {
+            bail!("{} holds {} bytes, less than its {records} records of {record}", path.display(), map.len());
+        }
+        let per_chunk = (CHUNK_BYTES / record).max(1);
+        let mut pinned = PinnedExperts {
+            gpu: gpu.clone(),
+            dir: store.dir.clone(),
+            map,
+            chunks: Vec::with_capacity(records / per_chunk + 1),
+        };
+        let done = std::sync::atomic::AtomicU64::new(0);
+        for first in (0..records).step_by(per_chunk) {
+            let last = (first + per_chunk).min(records);
+            (first..last).into_par_iter().try_for_each(|idx| {
+                check_record(store, idx)?;
+                let d = done.fetch_add(record as u64, std::sync::atomic::Ordering::Relaxed);
+                progress(d + record as u64);
+                Ok::<(), anyhow::Error>(())
+            })?;
+            let (start, bytes) = (first * record, (last - first) * record);
+            // SAFETY: the range lies inside the live read-only map (checked above); unregistered in
+            // Drop before the map is unmapped.
+            let r = unsafe {
+                sys::cuMemHostRegister_v2(
+                    pinned.map.as_ptr().add(start) as *mut c_void,
+                    bytes,
+                    sys::CU_MEMHOSTREGISTER_READ_ONLY,
+                )
+            };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                bail!(
+                    "cannot pin bytes {start}..{} of {} for the GPU ({r:?}); run with --pin-experts off",
+                    start + bytes,
+                    path.display()
+                );
+            }
+            pinned.chunks.push((start, bytes));
+        }
+        Ok(pinned)
+    }
+
+    /// Bytes pinned.
+    pub fn bytes(&self) -> u64 {
+        self.chunks.iter().map(|c| c.1 as u64).sum()
+    }
+
+    /// The pinned bytes of the record at `offset` of store `dir`'s expert file, if pinned whole.
+    pub fn record(&self, dir: &Path, offset: u64, bytes: usize) -> Option<&[u8]> {
+        if dir != self.dir {
+            return None;
+        }
+        let start = usize::try_from(offset).ok()?;
+        let end = start.checked_add(bytes)?;
+        self.chunks.iter().any(|&(s, n)| start >= s && end <= s + n).then(|| &self.map[start..end])
+    }
+}
+
+/// Reads record `idx` of the store through its checksums (each piece, or the whole record).
+fn check_record(store: &Store, idx: usize) -> Result<()> {
+    let ef = &store.manifest.experts;
+    let (slot, expert) = (idx / ef.num_experts, idx % ef.num_experts);
+    thread_local! {
+        static BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    BUF.with(|b| {
+        let mut buf = b.borrow_mut();
+        match store.expert_piece_bytes() {
+            Some(piece) => {
+                let pieces = (ef.record_bytes as usize).div_ceil(piece);
+                buf.resize(256 << 10, 0);
+                (0..pieces).try_for_each(|p| store.read_expert_piece_chunked(slot, expert, p, &mut buf, &mut |_, _| {}))
+            }
+            None => {
+                buf.resize(ef.record_bytes as usize, 0);
+                store.read_expert(slot, expert, &mut buf)
+            }
+        }
+    })
+}
+
+impl Drop for PinnedExperts {
+    fn drop(&mut self) {
+        let _ = self.gpu.bind();
+        for &(start, _) in &self.chunks {
+            // SAFETY: registered in `pin` at this address, unregistered once, before the unmap.
+            unsafe {
+                let _ = sys::cuMemHostUnregister(self.map.as_ptr().add(start) as *mut c_void);
+            }
+        }
+    }
+}
