@@ -16,6 +16,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result, bail};
 use cherenkov_cuda::CudaModel;
 use cherenkov_cuda::gpu::{Gpu, measure_bandwidth};
+use cherenkov_cuda::pinned::PinnedExperts;
 use cherenkov_cuda::slots::DeviceSlots;
 use cherenkov_engine::policy::{Policy, simulate_from};
 use cherenkov_engine::residency::{ExpertPool, format_bytes, parse_size};
@@ -74,9 +75,24 @@ pub struct BenchArgs {
     pub cut_weak: f32,
 }
 
+/// What one case runs: expert slots, the page cache dropped first, graphs, the deadline cut, the
+/// lookahead, the expert file pinned, and the layers a step runs.
+#[derive(Clone, Copy)]
+struct Spec {
+    slots: usize,
+    cold: bool,
+    graphs: bool,
+    cut: Option<f32>,
+    lookahead: bool,
+    pin: bool,
+    depth: usize,
+}
+
 /// What one case measured.
 struct Case {
     name: String,
+    /// Layers a step ran.
+    depth: usize,
     slots: usize,
     tok_s: f64,
     hit_rate: f64,
@@ -116,6 +132,21 @@ fn dense_bytes(c: &TextConfig, mtp: usize) -> (u64, u64) {
         }
     }
     (all, read)
+}
+
+/// The part of a step's time that does not grow with depth, from the same step timed at two depths
+/// (`deep_ms` at `deep` layers, `shallow_ms` at `shallow`): the line through both points at zero
+/// layers, never below zero (run-to-run noise could put it there).
+fn per_token_part(deep_ms: f64, deep: usize, shallow_ms: f64, shallow: usize) -> f64 {
+    let per_layer = (deep_ms - shallow_ms) / (deep as f64 - shallow as f64);
+    (deep_ms - deep as f64 * per_layer).max(0.0)
+}
+
+/// Tokens per second at `target` layers of a case that took `ms` per token at `depth` layers:
+/// its time beyond the per-token part, per layer, times the target depth, plus the per-token part.
+fn tok_s_at_depth(target: usize, per_token_ms: f64, ms: f64, depth: usize) -> f64 {
+    let layer_ms = (ms - per_token_ms).max(0.0) / depth as f64;
+    1e3 / (per_token_ms + target as f64 * layer_ms)
 }
 
 fn drop_page_cache(path: &std::path::Path) -> Result<()> {
@@ -199,97 +230,111 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     let tok = Tokenizer::from_dir(&store.dir)?;
     let prompt = prompt_tokens(&store.dir, &tok, None, "Explain hash collisions.", false)?;
     let experts_file = store.dir.join(&store.manifest.experts.file);
-    let run_case =
-        |name: &str, slots: usize, cold: bool, graphs: bool, cut: Option<f32>, lookahead: bool| -> Result<Case> {
-            if cold {
-                drop_page_cache(&experts_file)?;
-            }
-            let memory = Arc::new(DeviceSlots::new(gpu.clone(), slots, store.record_bytes())?);
-            let pool = Arc::new(ExpertPool::new(store.clone(), memory.clone(), args.io_threads)?);
-            let mut model = CudaModel::new(store.clone(), gpu.clone(), pool.clone())?;
-            model.skew = Some(Arc::new(SkewedRouting::new(skew)));
-            model.graphs = graphs;
-            model.cut_weak = cut;
-            model.lookahead = lookahead;
-            let mut s = model.new_session()?;
-            // The trace starts with the prompt, so the policy replays fill their caches as the pool
-            // filled its own; only the timed steps are counted.
-            pool.record_trace(true);
-            // Sampled (temperature 1, top-k 40), not greedy: a random model's argmax repeats itself.
-            // The 40 candidates are chosen on the device, as `run` and `serve` do for such settings.
-            let mut sampler = Sampler::new(SamplingParams {
-                temperature: 1.0,
-                top_k: 40,
-                seed: Some(7),
-                ..SamplingParams::default()
-            });
-            let k = sampler.candidates_needed().context("top-k sampling samples from candidates")?;
-            let among = tok.vocab_size().min(c.vocab_size);
-            let mut cands = model.forward_candidates(&mut s, &prompt, k, among)?;
-            for _ in 0..args.warmup {
-                let t = sampler.sample_candidates(&cands)?;
-                cands = model.forward_candidates(&mut s, &[t], k, among)?;
-            }
-            pool.reset_stats();
-            memory.reset_load_split();
-            let warm_trace = pool.take_trace();
-            model.reset_timing();
-            let t0 = std::time::Instant::now();
-            for _ in 0..args.tokens {
-                let t = sampler.sample_candidates(&cands)?;
-                cands = model.forward_candidates(&mut s, &[t], k, among)?;
-            }
-            let secs = t0.elapsed().as_secs_f64();
-            let st = pool.stats();
-            let tm = model.timing();
-            let n = args.tokens as f64;
-            Ok(Case {
-                name: name.to_string(),
-                slots,
-                tok_s: n / secs,
-                hit_rate: st.hit_rate().unwrap_or(0.0),
-                lookahead: st.total.lookahead_accuracy(),
-                bytes_per_token: st.total.bytes_read as f64 / n,
-                dense_ms: tm.dense_ns() as f64 / 1e6 / n,
-                experts_ms: tm.experts_ns as f64 / 1e6 / n,
-                wait_ms: tm.wait_ns as f64 / 1e6 / n,
-                queue_ms: tm.queue_ns as f64 / 1e6 / n,
-                cut_per_token: tm.cut as f64 / n,
-                loads: memory.load_split(),
-                share: model.skew.as_ref().and_then(|k| k.consecutive_share()),
-                warm_steps: warm_trace.len(),
-                trace: warm_trace.into_iter().chain(pool.take_trace()).collect(),
-            })
-        };
+    let run_case = |name: &str, spec: Spec| -> Result<Case> {
+        let Spec { slots, cold, graphs, cut, lookahead, pin, depth } = spec;
+        if cold {
+            drop_page_cache(&experts_file)?;
+        }
+        let mut memory = DeviceSlots::new(gpu.clone(), slots, store.record_bytes())?;
+        if pin {
+            memory.set_pinned(PinnedExperts::pin(gpu.clone(), &store, &|_| {})?);
+        }
+        let memory = Arc::new(memory);
+        let pool = Arc::new(ExpertPool::new(store.clone(), memory.clone(), args.io_threads)?);
+        let mut model = CudaModel::new(store.clone(), gpu.clone(), pool.clone())?;
+        model.skew = Some(Arc::new(SkewedRouting::new(skew)));
+        model.graphs = graphs;
+        model.cut_weak = cut;
+        model.lookahead = lookahead;
+        model.depth = depth;
+        let mut s = model.new_session()?;
+        // The trace starts with the prompt, so the policy replays fill their caches as the pool
+        // filled its own; only the timed steps are counted.
+        pool.record_trace(true);
+        // Sampled (temperature 1, top-k 40), not greedy: a random model's argmax repeats itself.
+        // The 40 candidates are chosen on the device, as `run` and `serve` do for such settings.
+        let mut sampler =
+            Sampler::new(SamplingParams { temperature: 1.0, top_k: 40, seed: Some(7), ..SamplingParams::default() });
+        let k = sampler.candidates_needed().context("top-k sampling samples from candidates")?;
+        let among = tok.vocab_size().min(c.vocab_size);
+        let mut cands = model.forward_candidates(&mut s, &prompt, k, among)?;
+        for _ in 0..args.warmup {
+            let t = sampler.sample_candidates(&cands)?;
+            cands = model.forward_candidates(&mut s, &[t], k, among)?;
+        }
+        pool.reset_stats();
+        memory.reset_load_split();
+        let warm_trace = pool.take_trace();
+        model.reset_timing();
+        let t0 = std::time::Instant::now();
+        for _ in 0..args.tokens {
+            let t = sampler.sample_candidates(&cands)?;
+            cands = model.forward_candidates(&mut s, &[t], k, among)?;
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        let st = pool.stats();
+        let tm = model.timing();
+        let n = args.tokens as f64;
+        Ok(Case {
+            name: name.to_string(),
+            depth,
+            slots,
+            tok_s: n / secs,
+            hit_rate: st.hit_rate().unwrap_or(0.0),
+            lookahead: st.total.lookahead_accuracy(),
+            bytes_per_token: st.total.bytes_read as f64 / n,
+            dense_ms: tm.dense_ns() as f64 / 1e6 / n,
+            experts_ms: tm.experts_ns as f64 / 1e6 / n,
+            wait_ms: tm.wait_ns as f64 / 1e6 / n,
+            queue_ms: tm.queue_ns as f64 / 1e6 / n,
+            cut_per_token: tm.cut as f64 / n,
+            loads: memory.load_split(),
+            share: model.skew.as_ref().and_then(|k| k.consecutive_share()),
+            warm_steps: warm_trace.len(),
+            trace: warm_trace.into_iter().chain(pool.take_trace()).collect(),
+        })
+    };
     let all = store.manifest.experts.records() as usize;
-    let cases = [
-        run_case("all experts resident", all, false, true, None, true)?,
-        run_case("all experts resident, no CUDA graphs", all, false, false, None, true)?,
-        run_case(&format!("{} budget, page cache warm", args.gpu_memory), streamed_slots, false, true, None, true)?,
-        run_case(&format!("{} budget, page cache cold", args.gpu_memory), streamed_slots, true, true, None, true)?,
+    let layers = c.num_hidden_layers;
+    let resident =
+        Spec { slots: all, cold: false, graphs: true, cut: None, lookahead: true, pin: false, depth: layers };
+    let pinned = Spec { slots: streamed_slots, pin: true, ..resident };
+    let g = &args.gpu_memory;
+    // Cases: 0 resident, 1 resident without graphs, 2 streamed from the pinned page cache, 3 cold
+    // (read by the CPU from the disk), 4 pinned with the deadline cut, 5 pinned without the
+    // lookahead (what its reads gain), 6 warm but read by the CPU (what pinning gains), 7 resident
+    // at half the depth (the per-layer extrapolation's second point).
+    let mut cases = vec![
+        run_case("all experts resident", resident)?,
+        run_case("all experts resident, no CUDA graphs", Spec { graphs: false, ..resident })?,
+        run_case(&format!("{g} budget, page cache warm, expert file pinned"), pinned)?,
+        run_case(&format!("{g} budget, page cache cold (read by the CPU)"), Spec { cold: true, pin: false, ..pinned })?,
         run_case(
-            &format!("{} budget, page cache warm, --cut-weak {}", args.gpu_memory, args.cut_weak),
-            streamed_slots,
-            false,
-            true,
-            Some(args.cut_weak),
-            true,
+            &format!("{g} budget, pinned, --cut-weak {}", args.cut_weak),
+            Spec { cut: Some(args.cut_weak), ..pinned },
         )?,
-        run_case(
-            &format!("{} budget, page cache warm, no lookahead", args.gpu_memory),
-            streamed_slots,
-            false,
-            true,
-            None,
-            false,
-        )?,
+        run_case(&format!("{g} budget, pinned, no lookahead"), Spec { lookahead: false, ..pinned })?,
+        run_case(&format!("{g} budget, page cache warm, read by the CPU (not pinned)"), Spec { pin: false, ..pinned })?,
     ];
+    if layers >= 2 {
+        cases.push(run_case(
+            &format!("all experts resident, first {} layers only", layers / 2),
+            Spec { depth: layers / 2, ..resident },
+        )?);
+    }
 
     // Roofline.
     let (_, dense_read) = dense_bytes(&c, store.manifest.mtp_layers);
     let resident_bytes = dense_read as f64 + (c.num_hidden_layers * c.num_experts_per_tok) as f64 * record as f64;
     let roofline = bw.device / resident_bytes;
-    let per_layer = |tok_s: f64| tok_s * c.num_hidden_layers as f64 / 48.0;
+    // 48-layer figures. A step's time is a part per token (embedding, the final mixer, lm_head,
+    // picking candidates, the host's turn) plus a part per layer; the resident case at two depths
+    // gives both, and each case's own per-layer time is what it spends beyond the part per token.
+    // Without the second depth (or if noise makes the part per token negative) every millisecond
+    // counts as per-layer, which understates the 48-layer speed.
+    let ms = |k: &Case| 1e3 / k.tok_s;
+    let per_token_ms = cases.get(7).map_or(0.0, |half| per_token_part(ms(&cases[0]), layers, ms(half), half.depth));
+    let per_layer = |k: &Case| tok_s_at_depth(48, per_token_ms, ms(k), k.depth);
 
     // The policy study on the warm streamed run's trace.
     // Cases: 0 resident, 1 resident without graphs, 2 streamed warm, 3 streamed cold, 4 streamed
@@ -373,7 +418,9 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     md.push_str("| case | expert slots | tok/s | 48-layer tok/s (per-layer extrapolation) | hit rate | lookahead accuracy | read per token | dense ms/tok | experts ms/tok | waiting ms/tok | host queueing ms/tok | vs roofline / PCIe bound |\n");
     md.push_str("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
     for (i, k) in cases.iter().enumerate() {
-        let ratio = if i < 2 {
+        let ratio = if i == 7 {
+            "(the extrapolation's second depth)".to_string()
+        } else if i < 2 {
             format!("{:.1}% of HBM roofline", 100.0 * k.tok_s / roofline)
         } else {
             let t_io = k.bytes_per_token / bw.host_to_device;
@@ -385,7 +432,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             k.name,
             k.slots,
             k.tok_s,
-            per_layer(k.tok_s),
+            per_layer(k),
             100.0 * k.hit_rate,
             k.lookahead.map_or("-".to_string(), |a| format!("{:.1}%", 100.0 * a)),
             format_bytes(k.bytes_per_token as u64),
@@ -396,6 +443,24 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             ratio
         ));
     }
+    md.push_str(&format!(
+        "\n48-layer figures: {}. The streamed cases' 48-layer bounds scale the same way; the pinned cases pin this model's {} expert file; `--pin-experts auto` pins an expert file that fits in the available memory with a quarter of the host's memory to spare, and on this host it {} the 48-layer model's {}.\n",
+        match cases.get(7) {
+            Some(half) => format!(
+                "a step is {:.3} ms per token (embedding, final mixer, lm_head, candidates, the host) plus each case's time per layer beyond that; the resident case gives {:.3} ms per layer from its {} and {} layer runs ({:.3} and {:.3} ms per token)",
+                per_token_ms,
+                (ms(&cases[0]) - per_token_ms) / layers as f64,
+                layers,
+                half.depth,
+                ms(&cases[0]),
+                ms(half)
+            ),
+            None => "the whole step time counts as per layer (one layer: no second depth to split it)".to_string(),
+        },
+        format_bytes(all as u64 * record),
+        if crate::load::auto_pins(experts_full) { "would pin" } else { "would not pin" },
+        format_bytes(experts_full)
+    ));
     md.push_str(&format!(
         "\nCache policies replayed on the warm streamed run's routing trace ({} timed steps, {} slots; each replay starts empty and first replays the {} steps of the prompt and warm-up tokens, uncounted, as the pool did):\n\n",
         trace.len() - cases[2].warm_steps,
@@ -414,13 +479,14 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         100.0 * cases[5].hit_rate,
         cases[2].share.map_or("-".to_string(), |s| format!("{:.1}%", 100.0 * s))
     ));
-    md.push_str("\nExpert loads in the timed part (mean per load: reading the record's pieces in parallel into pinned memory; the driver call queueing the copy; the checksum, while the copy to the GPU runs; then waiting for the copy; and the copy itself, timed by GPU events on its stream):\n\n| case | loads | read ms | queue copy ms | checksum ms | copy wait ms | copy on the GPU ms |\n| --- | --- | --- | --- | --- | --- | --- |\n");
+    md.push_str("\nExpert loads in the timed part (how many were copied straight from the pinned expert file; mean per load: reading the record's pieces in parallel into pinned memory, none for a pinned file; the driver call queueing the copy; the checksum, while the copy to the GPU runs; then waiting for the copy; and the copy itself, timed by GPU events on its stream):\n\n| case | loads | from the pinned file | read ms | queue copy ms | checksum ms | copy wait ms | copy on the GPU ms |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n");
     for k in cases.iter().filter(|k| k.loads.loads > 0) {
         let per = |ns: u64| ns as f64 / 1e6 / k.loads.loads as f64;
         md.push_str(&format!(
-            "| {} | {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} |\n",
+            "| {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} |\n",
             k.name,
             k.loads.loads,
+            k.loads.direct,
             per(k.loads.read_ns),
             per(k.loads.queue_ns),
             per(k.loads.verify_ns),
@@ -448,14 +514,36 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     std::fs::write(stem.with_extension("md"), &md)?;
     let cases_json: Vec<_> = cases
         .iter()
-        .map(|k| json!({"case": k.name, "slots": k.slots, "tok_s": k.tok_s, "hit_rate": k.hit_rate, "lookahead_accuracy": k.lookahead,
+        .map(|k| json!({"case": k.name, "slots": k.slots, "depth": k.depth, "tok_s": k.tok_s, "tok_s_48_layers": per_layer(k), "loads": k.loads.loads, "loads_from_pinned_file": k.loads.direct, "hit_rate": k.hit_rate, "lookahead_accuracy": k.lookahead,
                         "bytes_per_token": k.bytes_per_token, "dense_ms": k.dense_ms, "experts_ms": k.experts_ms, "wait_ms": k.wait_ms, "queue_ms": k.queue_ms, "cut_per_token": k.cut_per_token}))
         .collect();
     let j = json!({"date": date, "gpu": gpu.info.name, "device_bw": bw.device, "h2d_bw": bw.host_to_device, "layers": c.num_hidden_layers,
-                   "experts": c.num_experts, "skew": skew, "roofline_tok_s": roofline, "cases": cases_json,
+                   "experts": c.num_experts, "skew": skew, "roofline_tok_s": roofline, "per_token_ms": per_token_ms, "cases": cases_json,
                    "policies": policies.iter().map(|(n, h)| json!({"policy": n, "hit_rate": h})).collect::<Vec<_>>(), "policy_uncounted_steps": cases[2].warm_steps, "peer": peer});
     std::fs::write(stem.with_extension("json"), serde_json::to_vec_pretty(&j)?)?;
     writeln!(out, "{md}")?;
     writeln!(out, "wrote {} and .json", stem.with_extension("md").display())?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_per_layer_extrapolation_recovers_a_linear_step() {
+        // 0.3 ms per token plus 0.17 ms per layer.
+        let step = |layers: usize| 0.3 + 0.17 * layers as f64;
+        let fixed = per_token_part(step(16), 16, step(8), 8);
+        assert!((fixed - 0.3).abs() < 1e-9, "{fixed}");
+        let at48 = tok_s_at_depth(48, fixed, step(4), 4);
+        assert!((at48 - 1e3 / step(48)).abs() < 1e-6, "{at48}");
+        // A streamed case at 4 layers, 0.1 ms per layer slower: its own per-layer time counts.
+        let streamed = tok_s_at_depth(48, fixed, step(4) + 0.4, 4);
+        assert!((streamed - 1e3 / (step(48) + 4.8)).abs() < 1e-6, "{streamed}");
+        // Without a second depth every millisecond counts as per layer (the old, lower figure).
+        assert!((tok_s_at_depth(48, 0.0, step(4), 4) - 1e3 * 4.0 / 48.0 / step(4)).abs() < 1e-6);
+        // Noise that tilts the line below zero at zero layers gives no negative part.
+        assert_eq!(per_token_part(1.0, 4, 0.2, 2), 0.0);
+    }
 }

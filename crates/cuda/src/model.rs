@@ -111,6 +111,7 @@ struct GraphKey {
     generation: u64,
     logits: bool,
     scores: u64,
+    depth: usize,
 }
 
 /// Per MoE layer (the store's expert slot index `l`, `k` entries each): what the router and the
@@ -196,6 +197,10 @@ pub struct CudaModel {
     pub cut_weak: Option<f32>,
     /// Replay steps that never wait for the host (every expert resident) as CUDA graphs.
     pub graphs: bool,
+    /// Decoder layers a step runs: every layer, except in the bench, which also times a shallower
+    /// step of the same weights to tell the time per layer from the time per token (lm_head,
+    /// sampling). A shallower step's outputs are not the model's.
+    pub depth: usize,
     /// Captured steps and what each was captured for (the most recently used last).
     graph: Mutex<Vec<(GraphKey, Graph)>>,
     predicted: Mutex<Vec<Option<Vec<usize>>>>,
@@ -323,6 +328,7 @@ impl CudaModel {
             lookahead: true,
             cut_weak: None,
             graphs: std::env::var_os("CHERENKOV_NO_GRAPHS").is_none(),
+            depth: c.num_hidden_layers,
             graph: Mutex::new(Vec::new()),
             predicted,
             timing: Mutex::new(StepTiming::default()),
@@ -413,7 +419,7 @@ impl CudaModel {
         // Host inputs first (token and position, n-gram rows, synthetic-router biases), so the
         // device work below never waits for the host when every expert is resident.
         self.set_step_inputs(sc, tok, s.pos)?;
-        for (i, layer) in self.weights.layers.iter().enumerate() {
+        for (i, layer) in self.weights.layers.iter().enumerate().take(self.depth) {
             if let (Some(_), Some(hash)) = (&layer.ple, &self.ngram[i]) {
                 self.ple_gather(sc, hash, i, tok, &s.ngram_context)?;
             }
@@ -463,7 +469,8 @@ impl CudaModel {
         g.upload(sc.step_in.ptr, &sc.step_host, 0, 8)?;
         w.embed_tokens.embed(g, sc.step_in.ptr, sc.x.ptr, self.config().hc_count)?;
         let pos = s.pos;
-        for (i, (layer, ls)) in w.layers.iter().zip(s.layers.iter_mut()).enumerate() {
+        let depth = self.depth.min(w.layers.len());
+        for (i, (layer, ls)) in w.layers.iter().zip(s.layers.iter_mut()).enumerate().take(depth) {
             if let Some(p) = &layer.ple {
                 let state = ls.ple_conv.as_ref().context("PLE state")?;
                 self.ple(sc, p, i, state)?;
@@ -480,7 +487,7 @@ impl CudaModel {
             self.hc_read(sc, &layer.mlp_hc)?;
             // The combination injects the MoE output (no separate hc_inject).
             st.inject = true;
-            self.moe(sc, &layer.moe, w.layers.get(i + 1).map(|l| &l.moe), st)?;
+            self.moe(sc, &layer.moe, w.layers[..depth].get(i + 1).map(|l| &l.moe), st)?;
         }
         if logits {
             self.hc_read(sc, &w.hyper_connection_mixer)?;
@@ -511,7 +518,8 @@ impl CudaModel {
         if sc.scores.bytes < need {
             sc.scores = self.gpu.zeros(need, "attention scores")?;
         }
-        let key = GraphKey { session: s.id, generation: s.generation, logits, scores: sc.scores.ptr };
+        let key =
+            GraphKey { session: s.id, generation: s.generation, logits, scores: sc.scores.ptr, depth: self.depth };
         let mut graphs = self.graph.lock().unwrap_or_else(|e| e.into_inner());
         // A few graphs: decode steps and prompt steps (no logits) alternate.
         const KEEP: usize = 4;
@@ -534,7 +542,7 @@ impl CudaModel {
         self.gpu.replay(graph)?;
         // The replay routes every MoE layer (on the device, from the resident map).
         st.untimed = true;
-        st.routed.extend(self.weights.layers.iter().map(|l| l.moe.expert_slot));
+        st.routed.extend(self.weights.layers.iter().take(self.depth).map(|l| l.moe.expert_slot));
         // The QSA block counters the captured kernels advance on the device.
         let pos = s.pos;
         for l in &mut s.layers {
