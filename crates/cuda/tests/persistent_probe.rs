@@ -8,13 +8,18 @@
 //! device bandwidth on its own (launch, staging the input, the ramp and the tail cost more than
 //! the bytes). The probe runs one layer-like chain (the byte sizes of the released shape's stages,
 //! 8-bit weights of 2560 columns, so bytes = rows x 2560) four times with distinct weights (no L2
-//! reuse), three ways:
+//! reuse), several ways:
 //!
-//! - one launch per stage (today's structure, without PDL);
+//! - one launch per stage (today's structure), with and without PDL;
 //! - one persistent kernel: every block resident, a software grid barrier between stages;
-//! - the same, each warp prefetching its rows of the next stage into L2 before the barrier.
+//! - the same, each warp prefetching its rows of the next stage into L2 before the barrier;
+//! - `chain_pipe`: each warp streams its rows through a ring of `CHERENKOV_PROBE_NBUF` (default 4)
+//!   row buffers in shared memory with `cp.async`, requesting a stage's first rows before its
+//!   input is ready, per stage and persistent.
 //!
-//! It prints microseconds per layer and the bytes' effective bandwidth for each.
+//! It prints microseconds per layer and the bytes' effective bandwidth for each, and marks a
+//! variant whose outputs differ from the per-stage launches'. Results:
+//! `benchmark/results/persistent-probe-2026-11-30.txt` and `persistent-probe-ring-2026-11-30.txt`.
 
 use std::ffi::{CString, c_void};
 
@@ -98,6 +103,77 @@ extern "C" __global__ void __launch_bounds__(512) chain(
         }
     }
 }
+
+// The same chain, each warp streaming its rows into a ring of NBUF row buffers in shared memory
+// with cp.async (16 bytes a lane, one commit group a row), so NBUF - 1 rows per warp are in flight
+// without holding registers. The first rows of a stage are requested before its inputs are ready
+// (weights do not depend on x): at the start before griddepcontrol.wait, and for the next stage
+// before the grid barrier.
+#ifndef NBUF
+#define NBUF 4
+#endif
+__device__ __forceinline__ void cp16(void* smem, const void* gmem) {
+    unsigned sa = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(sa), "l"(gmem) : "memory");
+}
+
+extern "C" __global__ void __launch_bounds__(512) chain_pipe(
+    const signed char* __restrict__ w, const long long* __restrict__ off, const int* __restrict__ rows,
+    int first, int last, float* xs, int dim, unsigned* bar, int prefetch)
+{
+    extern __shared__ float xsh[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const int gwarp = blockIdx.x * nwarps + warp, allwarps = gridDim.x * nwarps;
+    unsigned char* ring = (unsigned char*)(xsh + 2560) + warp * NBUF * 2560;
+    // Row i of stage s for this warp into ring slot i % NBUF; one group per call, empty past the end.
+    auto issue = [&](int s, int i) {
+        const int r = gwarp + i * allwarps;
+        if (r < rows[s]) {
+            const uint4* row = (const uint4*)(w + off[s]) + (long long)r * 160;
+            uint4* dst = (uint4*)(ring + (i % NBUF) * 2560);
+#pragma unroll
+            for (int j = 0; j < 5; j++) cp16(dst + lane + 32 * j, row + lane + 32 * j);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    for (int i = 0; i < NBUF - 1; i++) issue(first, i);
+    asm volatile("griddepcontrol.launch_dependents;");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    for (int s = first; s <= last; s++) {
+        const float* x = xs + (s & 1) * dim;
+        float* y = xs + ((s + 1) & 1) * dim;
+        for (int i = threadIdx.x; i < 2560; i += blockDim.x) xsh[(i & 15) * 160 + (i >> 4)] = __ldcg(x + i);
+        __syncthreads();
+        const int R = rows[s];
+        const int cnt = gwarp < R ? (R - gwarp + allwarps - 1) / allwarps : 0;
+        for (int i = 0; i < cnt; i++) {
+            issue(s, i + NBUF - 1);
+            // All but the newest NBUF - 1 groups are complete: row i is in its slot.
+            asm volatile("cp.async.wait_group %0;" :: "n"(NBUF - 1) : "memory");
+            __syncwarp();
+            const uint4* buf = (const uint4*)(ring + (i % NBUF) * 2560);
+            float acc = 0.f;
+#pragma unroll
+            for (int j = 0; j < 5; j++) {
+                const uint4 q = buf[lane + 32 * j];
+                const signed char* b = (const signed char*)&q;
+                const float* xv = xsh + lane + 32 * j;
+#pragma unroll
+                for (int t = 0; t < 16; t++) acc += (float)b[t] * xv[t * 160];
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+            if (lane == 0) y[gwarp + i * allwarps] = acc * (1.f / 4096.f);
+            __syncwarp();  // the slot is reused NBUF - 1 rows later
+        }
+        if (s < last) {
+            for (int i = 0; i < NBUF - 1; i++) issue(s + 1, i);
+            grid_barrier(bar, bar + 1, gridDim.x);
+        } else {
+            __syncthreads();  // x staging of a following launch must not race this block's reads
+        }
+    }
+}
 "#;
 
 /// One layer's stages (rows of 2560 bytes): the hyper-connection read, the GDN input projections,
@@ -105,12 +181,17 @@ extern "C" __global__ void __launch_bounds__(512) chain(
 /// projections, and small latency stages (norms, top-k) as 64-row stages.
 const LAYER: [i32; 11] = [720, 64, 9216, 64, 2560, 720, 64, 1664, 64, 6400, 3200];
 
+/// Row buffers per warp of `chain_pipe` (CHERENKOV_PROBE_NBUF, default 4).
+fn nbuf() -> usize {
+    std::env::var("CHERENKOV_PROBE_NBUF").ok().and_then(|v| v.parse().ok()).unwrap_or(4)
+}
+
 fn ptx(arch: &'static str) -> String {
     // Rows each warp loads before computing (CHERENKOV_PROBE_ROWS, default 1).
     let rows = std::env::var("CHERENKOV_PROBE_ROWS").unwrap_or_else(|_| "1".into());
     let opts = cudarc::nvrtc::CompileOptions {
         arch: Some(arch),
-        options: vec!["--std=c++17".into(), format!("-DROWS={rows}")],
+        options: vec!["--std=c++17".into(), format!("-DROWS={rows}"), format!("-DNBUF={}", nbuf())],
         ..Default::default()
     };
     cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).unwrap_or_else(|e| panic!("{e:?}")).to_src()
@@ -123,7 +204,8 @@ fn probe_kernel_compiles() {
         eprintln!("skipped: NVRTC not found");
         return;
     }
-    assert!(ptx("sm_90").contains(".entry chain("));
+    let p = ptx("sm_90");
+    assert!(p.contains(".entry chain(") && p.contains(".entry chain_pipe("));
 }
 
 #[test]
@@ -142,10 +224,11 @@ fn persistent_probe() {
     let arch = cherenkov_cuda::compile::arch_name(maj, min).unwrap();
     let cptx = CString::new(ptx(arch)).unwrap();
     gpu.bind().unwrap();
-    // SAFETY: a NUL-terminated PTX image; the function name exists in it.
-    let f = unsafe {
+    // SAFETY: a NUL-terminated PTX image; the function names exist in it.
+    let (f, fp) = unsafe {
         let m = cu::module::load_data(cptx.as_ptr() as *const c_void).unwrap();
-        cu::module::get_function(m, CString::new("chain").unwrap()).unwrap()
+        let get = |name: &str| cu::module::get_function(m, CString::new(name).unwrap()).unwrap();
+        (get("chain"), get("chain_pipe"))
     };
     let w = gpu.alloc(total as usize, "weights").unwrap();
     // Random-ish bytes (the values do not matter, the bytes do).
@@ -180,7 +263,7 @@ fn persistent_probe() {
         LAYER.len(),
         total as f64 / layers as f64 / 1e6
     );
-    let launch_with = |pdl: bool, grid: u32, first: i32, last: i32, prefetch: i32| {
+    let launch_kernel = |k: sys::CUfunction, smem: u32, pdl: bool, grid: u32, first: i32, last: i32, prefetch: i32| {
         let args = [
             Arg::Ptr(w.ptr),
             Arg::Ptr(offs.ptr),
@@ -194,7 +277,10 @@ fn persistent_probe() {
         ];
         // SAFETY: the arguments match `chain`'s parameters, which waits for its predecessor at its
         // start; the grid is co-resident when persistent (at most the blocks per SM that fit).
-        unsafe { gpu.launch_function(f, "chain", (grid, 1, 1), threads, shmem, &args, pdl) }.unwrap();
+        unsafe { gpu.launch_function(k, "chain", (grid, 1, 1), threads, smem, &args, pdl) }.unwrap();
+    };
+    let launch_with = |pdl: bool, grid: u32, first: i32, last: i32, prefetch: i32| {
+        launch_kernel(f, shmem, pdl, grid, first, last, prefetch)
     };
     let launch = |grid: u32, first: i32, last: i32, prefetch: i32| launch_with(false, grid, first, last, prefetch);
     let n = rows.len() as i32;
@@ -240,6 +326,35 @@ fn persistent_probe() {
         });
         measure(format!("persistent, grid {grid}"), &|| launch(grid, 0, n - 1, 0));
         measure(format!("persistent + L2 prefetch of the next stage, grid {grid}"), &|| launch(grid, 0, n - 1, 1));
+    }
+    // The cp.async ring: x plus NBUF row buffers per warp in shared memory.
+    let shmem_pipe = (2560 * 4 + (threads as usize / 32) * nbuf() * 2560) as u32;
+    let mut per_sm_pipe = 0i32;
+    // SAFETY: fp is a loaded kernel; the limit is within Hopper's 227 KiB per block.
+    unsafe {
+        sys::cuFuncSetAttribute(
+            fp,
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            shmem_pipe as i32,
+        )
+        .result()
+        .unwrap();
+        sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut per_sm_pipe, fp, threads as i32, shmem_pipe as usize)
+            .result()
+            .unwrap();
+    }
+    println!(
+        "# cp.async ring of {} rows per warp: {shmem_pipe} bytes of shared memory, {per_sm_pipe} blocks per SM fit",
+        nbuf()
+    );
+    let pipe = |pdl: bool, grid: u32, first: i32, last: i32| launch_kernel(fp, shmem_pipe, pdl, grid, first, last, 0);
+    for resident in 1..=per_sm_pipe.min(2) {
+        let grid = (sms * resident) as u32;
+        measure(format!("ring: one launch per stage, grid {grid}"), &|| (0..n).for_each(|s| pipe(false, grid, s, s)));
+        measure(format!("ring: one launch per stage with PDL, grid {grid}"), &|| {
+            (0..n).for_each(|s| pipe(true, grid, s, s))
+        });
+        measure(format!("ring: persistent, grid {grid}"), &|| pipe(false, grid, 0, n - 1));
     }
     let big = (rows.iter().map(|&r| r as u32).max().unwrap() * 32).div_ceil(threads);
     measure(format!("one launch per stage, grid {big} (a warp per row)"), &|| {
