@@ -272,6 +272,8 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             cands = model.forward_candidates(&mut s, &[t], k, among)?;
         }
         let secs = t0.elapsed().as_secs_f64();
+        // Copies still running in the background (prefetches no step read) are timed too.
+        memory.sync_copies()?;
         let st = pool.stats();
         let tm = model.timing();
         let n = args.tokens as f64;

@@ -21,6 +21,10 @@
 //!   4. reads done: the host queues the kernels of the experts that were read, then the
 //!      combination. The lease (which keeps the slots from being reused) is released once a later
 //!      event shows those kernels finished.
+//!
+//!   With the expert file pinned (`DeviceSlots::copies_in_background`), this thread queues the
+//!   block's copies itself right after the lease, and "reads done" is a stream wait on each read
+//!   slot's copy event rather than a host wait: the host goes on queueing while the copies run.
 
 use std::sync::{Arc, Mutex};
 
@@ -154,6 +158,9 @@ pub(crate) struct MoeStep<'p> {
     routed: Vec<usize>,
     /// MoE layers whose read experts' kernels were timed (streaming with misses).
     read_timed: Vec<usize>,
+    /// MoE layers with misses whose copies the stream waited for (copies in the background): their
+    /// waiting is the GPU's, from the resident experts' end to the read experts' start.
+    gpu_waited: Vec<usize>,
     wait_ns: u64,
     start: std::time::Instant,
     /// Host time until everything up to the logits was queued.
@@ -174,6 +181,7 @@ impl MoeStep<'_> {
             pending: None,
             routed: Vec::new(),
             read_timed: Vec::new(),
+            gpu_waited: Vec::new(),
             wait_ns: 0,
             start: std::time::Instant::now(),
             queued_ns: None,
@@ -258,6 +266,9 @@ impl CudaModel {
     /// Uploads the dense weights and binds the expert pool (whose slots live on this GPU).
     pub fn new(store: Arc<Store>, gpu: Arc<Gpu>, pool: Arc<ExpertPool<DeviceSlots>>) -> Result<CudaModel> {
         let c = store.config().clone();
+        if !Arc::ptr_eq(pool.memory().gpu(), &gpu) {
+            bail!("the expert pool's slots live on another GPU handle than the model's");
+        }
         let host = Weights::load(&store).with_context(|| format!("loading weights from {}", store.dir.display()))?;
         let weights = DeviceWeights::upload(&gpu, &store, &host)?;
         for l in &store.manifest.experts.layers {
@@ -579,7 +590,7 @@ impl CudaModel {
         let mb = &sc.moe;
         // SAFETY: the stream is idle: no kernel writes the host copy now.
         let ids_host = unsafe { mb.ids_host.as_slice::<i32>() };
-        let mut experts_ns = 0u64;
+        let (mut experts_ns, mut gpu_wait_ns) = (0u64, 0u64);
         for &l in &st.routed {
             let ids: Vec<usize> = ids_host[l * k..(l + 1) * k].iter().map(|&i| i as usize).collect();
             if mb.map.is_some() {
@@ -596,12 +607,17 @@ impl CudaModel {
             if st.read_timed.contains(&l) {
                 ms += ev[4].since(&ev[3])?;
             }
+            if st.gpu_waited.contains(&l) {
+                let ns = (ev[3].since(&ev[2])? as f64 * 1e6) as u64;
+                self.pool.record_wait(l, ns);
+                gpu_wait_ns += ns;
+            }
             let ns = (ms as f64 * 1e6) as u64;
             self.pool.record_compute(l, ns);
             experts_ns += ns;
         }
         self.add_timing(|t| {
-            t.wait_ns += st.wait_ns;
+            t.wait_ns += st.wait_ns + gpu_wait_ns;
             t.experts_ns += experts_ns;
             t.queue_ns += queue_ns;
             t.cut += st.cut;
@@ -632,6 +648,8 @@ impl CudaModel {
             return Ok(());
         }
         let slots = self.pool.preload_all()?;
+        // The replayed steps read every slot without waiting for copies.
+        self.pool.memory().sync_copies()?;
         let mem = self.pool.memory();
         let mut map = Vec::with_capacity(layers.len() * e);
         for (layout, row) in layers.iter().zip(&slots) {
@@ -1157,8 +1175,14 @@ impl CudaModel {
         // SAFETY: the router kernel that wrote these has finished (ev[0]); nothing writes them now.
         let experts: Vec<usize> =
             unsafe { mb.ids_host.as_slice::<i32>() }[l * k..(l + 1) * k].iter().map(|&i| i as usize).collect();
-        // 2. Lease (misses are queued first).
+        // 2. Lease (misses are queued first). Copies from a pinned expert file only need queueing:
+        // this thread queues them at once rather than wake an IO thread for each.
         let lease = self.pool.acquire(l, &experts)?;
+        let mem = self.pool.memory();
+        let background = mem.copies_in_background();
+        if background {
+            self.pool.load_queued();
+        }
         let entries = lease.entries();
         // Table order: resident first, then the rest, each by routing weight (experts arrive sorted).
         let mut order: Vec<usize> = (0..entries.len()).filter(|&i| entries[i].hit).collect();
@@ -1167,7 +1191,11 @@ impl CudaModel {
         // SAFETY: the stream has passed this layer's previous use of its table rows (ev[0] follows
         // the previous step's end), so no copy reads them while they are written.
         unsafe { self.write_table(mb, l, &lease, &order, k)? };
-        // 3. The resident experts' kernels run while the reads finish.
+        // 3. The resident experts' kernels run while the reads finish (a resident record may be a
+        // prefetch whose copy is still running: the stream waits for it).
+        for &i in &order[..hits] {
+            mem.await_slot(entries[i].slot)?;
+        }
         g.record(&ev[1])?;
         self.launch_experts(sc, layout, table, 0, hits)?;
         g.record(&ev[2])?;
@@ -1183,11 +1211,18 @@ impl CudaModel {
                 Some(w) => self.cut_at_deadline(mb, l, &lease, &order, hits, &ev[2], w)?,
                 None => k,
             };
+            // With copies in the background the host only waits for them to be queued; the stream
+            // waits for the copies themselves.
             for &i in &order[hits..kept] {
                 lease.wait(i)?;
+                mem.await_slot(entries[i].slot)?;
             }
-            st.wait_ns += tw.elapsed().as_nanos() as u64;
             st.cut += (k - kept) as u64;
+            if background {
+                st.gpu_waited.push(l);
+            } else {
+                st.wait_ns += tw.elapsed().as_nanos() as u64;
+            }
             if kept > hits {
                 g.record(&ev[3])?;
                 self.launch_experts(sc, layout, table, hits, kept - hits)?;
@@ -1250,8 +1285,16 @@ impl CudaModel {
         weak: f32,
     ) -> Result<usize> {
         let k = order.len();
+        let mem = self.pool.memory();
+        let entries = lease.entries();
+        // Read and on the GPU (a copy in the background may still be running after its load).
+        let arrived = |i: usize| -> Result<bool> { Ok(lease.is_ready(i) && mem.landed(entries[i].slot)?) };
         loop {
-            if order[hits..].iter().all(|&i| lease.is_ready(i)) {
+            let mut all = true;
+            for &i in &order[hits..] {
+                all &= arrived(i)?;
+            }
+            if all {
                 return Ok(k);
             }
             if deadline.done()? {
@@ -1267,7 +1310,7 @@ impl CudaModel {
         // judged twice could land in neither part (a rank without an entry).
         let (mut new_order, mut cut): (Vec<usize>, Vec<usize>) = (order[..hits].to_vec(), Vec::new());
         for &i in &order[hits..] {
-            if !lease.is_ready(i) && w[i] < weak { cut.push(i) } else { new_order.push(i) }
+            if !arrived(i)? && w[i] < weak { cut.push(i) } else { new_order.push(i) }
         }
         let kept = new_order.len();
         if kept == k {

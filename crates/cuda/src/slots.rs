@@ -9,14 +9,18 @@
 //! see a half-written record.
 //!
 //! With the store's expert file pinned ([`PinnedExperts`], `--pin-experts`), there is no staging:
-//! the copy engine copies the record straight from its page-cache pages into the slot.
+//! the copy engine copies the record straight from its page-cache pages into the slot, and the
+//! load returns as soon as the copy is queued. The pool then counts the slot as loaded while the
+//! copy may still be running, so whatever reads the slot first calls [`DeviceSlots::await_slot`],
+//! which makes its stream wait for the slot's copy (no host wait). A later copy into the same slot
+//! is queued behind the earlier one.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use anyhow::{Result, anyhow};
+use anyhow::{Result, anyhow, bail};
 use cherenkov_engine::residency::{RecordSource, SlotMemory};
 use cudarc::driver::result as cu;
 use cudarc::driver::sys;
@@ -141,6 +145,16 @@ pub struct DeviceSlots {
     split: [AtomicU64; 7],
     /// The store's expert file pinned for the copy engine, if it is.
     pinned: Option<PinnedExperts>,
+    /// Per slot, the last copy from the pinned file, while it may still be running.
+    copies: Vec<Mutex<SlotCopy>>,
+}
+
+/// A slot's copy events (made at its first copy from the pinned file) and whether the last copy
+/// has not yet been seen complete.
+#[derive(Default)]
+struct SlotCopy {
+    events: Option<(sys::CUevent, sys::CUevent)>,
+    pending: bool,
 }
 
 /// One concurrent load's staging buffer, copy stream and copy timing events.
@@ -155,7 +169,8 @@ struct Staging {
 /// queueing the copy (the driver call), checking the sum (while the copy runs), and waiting for the
 /// copy after that; and the copy as the GPU's events time it (from the point its stream reached it,
 /// which includes any wait for the copy engine behind other loads' copies, to its end). `direct`
-/// counts the loads copied straight from the pinned expert file (no reading, no checksum).
+/// counts the loads copied straight from the pinned expert file: no reading, no checksum, and no
+/// host wait (the copy runs in the background; its GPU time counts once it is seen complete).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LoadSplit {
     pub loads: u64,
@@ -182,7 +197,73 @@ impl DeviceSlots {
             staging: Mutex::new(Vec::new()),
             split: Default::default(),
             pinned: None,
+            copies: (0..slot_count).map(|_| Mutex::new(SlotCopy::default())).collect(),
         })
+    }
+
+    /// Makes the GPU's compute stream wait for the copy into `slot`, if it may still be running (a
+    /// load from the pinned expert file returns once the copy is queued). Call before queueing work
+    /// that reads the slot. Returns whether the stream has to wait.
+    pub fn await_slot(&self, slot: usize) -> Result<bool> {
+        let stream = self.gpu.stream;
+        let mut c = self.copies[slot].lock().unwrap();
+        if !self.settle(&mut c)? {
+            return Ok(false);
+        }
+        let (_, end) = c.events.expect("a pending copy has events");
+        // SAFETY: the event was recorded on a copy stream of this context; the wait is queued.
+        unsafe { cu::stream::wait_event(stream, end, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+            .map_err(|e| anyhow!("cannot make the stream wait for an expert copy: {e}"))?;
+        Ok(true)
+    }
+
+    /// Whether the record in `slot` is on the GPU (no copy into it still running).
+    pub fn landed(&self, slot: usize) -> Result<bool> {
+        let mut c = self.copies[slot].lock().unwrap();
+        Ok(!self.settle(&mut c)?)
+    }
+
+    /// Waits for every copy still running (before work that reads slots without
+    /// [`DeviceSlots::await_slot`], such as a replayed graph).
+    pub fn sync_copies(&self) -> Result<()> {
+        self.gpu.bind()?;
+        for c in &self.copies {
+            let mut c = c.lock().unwrap();
+            if let (true, Some((_, end))) = (c.pending, c.events) {
+                // SAFETY: an event of this context.
+                unsafe { cu::event::synchronize(end) }.map_err(|e| anyhow!("an expert copy to the GPU failed: {e}"))?;
+                self.settle(&mut c)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the slot's last copy may still be running: a copy seen complete is accounted (its
+    /// GPU time) and no longer pending; a failed copy is an error.
+    fn settle(&self, c: &mut SlotCopy) -> Result<bool> {
+        let (true, Some((start, end))) = (c.pending, c.events) else { return Ok(false) };
+        // SAFETY: an event of this context.
+        match unsafe { sys::cuEventQuery(end) } {
+            sys::CUresult::CUDA_SUCCESS => {
+                // SAFETY: both events were recorded and have completed.
+                let ms = unsafe { cu::event::elapsed(start, end) }.unwrap_or(0.0);
+                self.split[5].fetch_add((ms as f64 * 1e6) as u64, Ordering::Relaxed);
+                c.pending = false;
+                Ok(false)
+            }
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(true),
+            e => bail!("an expert copy to the GPU failed: {e:?}"),
+        }
+    }
+
+    /// The GPU the slots live on (whose compute stream [`DeviceSlots::await_slot`] makes wait).
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// Whether loads from the pinned file return before their copy ends (see the module docs).
+    pub fn copies_in_background(&self) -> bool {
+        self.pinned.is_some()
     }
 
     /// Loads records from now on straight from `pinned` (the pool's store's expert file).
@@ -243,35 +324,42 @@ impl DeviceSlots {
 }
 
 impl DeviceSlots {
-    /// Copies a record from the pinned expert file (checked when it was pinned) into `slot` on the
-    /// staging's stream and waits for it.
+    /// Queues the copy of a record from the pinned expert file (checked when it was pinned) into
+    /// `slot` on the staging's stream, behind any earlier copy into the slot, and returns; readers
+    /// of the slot wait for it with [`DeviceSlots::await_slot`].
     fn copy_pinned(&self, slot: usize, src: &[u8], staging: &Staging) -> Result<()> {
         let stream = staging.stream;
         let t0 = Instant::now();
-        // SAFETY: the slot holds record_bytes (= src.len()); src is registered host memory that
-        // outlives the copy, which is waited for below; the events belong to this context.
-        let queued = unsafe {
-            cu::event::record(staging.start, stream).map_err(|e| anyhow!("cannot record an event: {e}"))?;
-            let r = cu::memcpy_htod_async(self.slot_ptr(slot), src, stream)
-                .map_err(|e| anyhow!("copy of a pinned expert record to the GPU failed: {e}"));
-            let _ = cu::event::record(staging.end, stream);
-            r
+        let mut c = self.copies[slot].lock().unwrap();
+        let (start, end) = match c.events {
+            Some(e) => e,
+            None => {
+                let event = || {
+                    cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+                        .map_err(|e| anyhow!("cannot create a copy event: {e}"))
+                };
+                let e = (event()?, event()?);
+                c.events = Some(e);
+                e
+            }
         };
-        let t1 = Instant::now();
-        // SAFETY: the stream belongs to this context.
-        let synced = unsafe { cu::stream::synchronize(stream) }
-            .map_err(|e| anyhow!("copy of a pinned expert record to the GPU failed: {e}"));
-        queued?;
-        synced?;
-        let done = Instant::now();
-        // SAFETY: both events were recorded on this stream and have completed.
-        let gpu_ms = unsafe { cu::event::elapsed(staging.start, staging.end) }.unwrap_or(0.0);
-        let ns = |a: Instant, b: Instant| b.duration_since(a).as_nanos() as u64;
+        if self.settle(&mut c)? {
+            // SAFETY: events and streams of this context; the wait is queued.
+            unsafe { cu::stream::wait_event(stream, end, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+                .map_err(|e| anyhow!("cannot order two copies into one slot: {e}"))?;
+        }
+        // SAFETY: the slot holds record_bytes (= src.len()); src is registered host memory that
+        // lives as long as these slots; the events belong to this context.
+        unsafe {
+            cu::event::record(start, stream).map_err(|e| anyhow!("cannot record an event: {e}"))?;
+            cu::memcpy_htod_async(self.slot_ptr(slot), src, stream)
+                .map_err(|e| anyhow!("copy of a pinned expert record to the GPU failed: {e}"))?;
+            cu::event::record(end, stream).map_err(|e| anyhow!("cannot record an event: {e}"))?;
+        }
+        c.pending = true;
         self.split[0].fetch_add(1, Ordering::Relaxed);
         self.split[6].fetch_add(1, Ordering::Relaxed);
-        self.split[4].fetch_add(ns(t0, t1), Ordering::Relaxed);
-        self.split[3].fetch_add(ns(t1, done), Ordering::Relaxed);
-        self.split[5].fetch_add((gpu_ms as f64 * 1e6) as u64, Ordering::Relaxed);
+        self.split[4].fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         Ok(())
     }
 }
@@ -346,7 +434,18 @@ impl SlotMemory for DeviceSlots {
 
 impl Drop for DeviceSlots {
     fn drop(&mut self) {
+        // Copies still reading the pinned file end before it is unregistered.
+        let _ = self.sync_copies();
         let _ = self.gpu.bind();
+        for c in &self.copies {
+            if let Some((start, end)) = c.lock().unwrap().events {
+                // SAFETY: created in copy_pinned, destroyed once; their copies have ended.
+                unsafe {
+                    let _ = cu::event::destroy(start);
+                    let _ = cu::event::destroy(end);
+                }
+            }
+        }
         for st in self.staging.lock().unwrap().drain(..) {
             // SAFETY: allocated above, freed once.
             unsafe {

@@ -158,8 +158,10 @@ pub trait SlotMemory: Send + Sync + 'static {
     fn record_bytes(&self) -> usize;
     /// Loads one record into `slot` from `record` (record_bytes long; a load that did not check
     /// the whole record with [`RecordSource::verify`] or [`RecordSource::read`] must not succeed).
-    /// Called from IO threads; never concurrently for the same slot, and never while the slot is
-    /// leased by a step.
+    /// Called from IO threads, or from a step's thread through [`ExpertPool::load_queued`]; never
+    /// concurrently for the same slot, and never while the slot is leased by a step. A memory may
+    /// return once the load is queued on a device, if whatever reads the slot orders itself after
+    /// that (the CUDA slots copying from a pinned expert file: `DeviceSlots::await_slot`).
     fn load(&self, slot: usize, record: &dyn RecordSource) -> Result<()>;
 }
 
@@ -885,6 +887,26 @@ impl<M: SlotMemory> ExpertPool<M> {
         Ok(())
     }
 
+    /// Runs the queued step reads (misses, not prefetches) on the calling thread instead of waiting
+    /// for an IO thread to wake for them; returns how many it ran. For a memory whose load only
+    /// queues work on a device (the CUDA slots copying from a pinned expert file), where waking a
+    /// thread costs more than the load. An IO thread may still take any of them first.
+    pub fn load_queued(&self) -> usize {
+        let mut ran = 0;
+        loop {
+            let job = {
+                let mut inner = self.shared.lock();
+                match inner.queue.front() {
+                    Some(j) if j.demand => inner.queue.pop_front(),
+                    _ => None,
+                }
+            };
+            let Some(job) = job else { return ran };
+            run_job(&self.shared, job);
+            ran += 1;
+        }
+    }
+
     /// Lookahead: queues reads for the experts of `layer` that are neither resident nor being read,
     /// behind every read already queued (so a step's required misses always go first). Nothing is
     /// pinned: once loaded, a prefetched record is an ordinary, evictable cache entry, ranked as if
@@ -1058,6 +1080,14 @@ impl<M: SlotMemory> ExpertPool<M> {
         }
     }
 
+    /// A backend's step waited `ns` for reads of `layer` outside the pool's own waits (a GPU stream
+    /// waiting for copies the pool only queued).
+    pub fn record_wait(&self, layer: usize, ns: u64) {
+        if layer < self.layers {
+            self.shared.counters.record_wait(layer, ns);
+        }
+    }
+
     /// A backend ran one forward of `tokens` tokens in `ns`.
     pub fn record_forward(&self, tokens: u64, ns: u64) {
         self.shared.counters.record_forward(tokens, ns);
@@ -1102,7 +1132,6 @@ fn layer_info(store: &Store) -> Vec<LayerInfo> {
 }
 
 fn io_loop<M: SlotMemory>(shared: &Shared<M>) {
-    let record_bytes = shared.store.record_bytes() as u64;
     loop {
         let job = {
             let mut inner = shared.lock();
@@ -1116,6 +1145,15 @@ fn io_loop<M: SlotMemory>(shared: &Shared<M>) {
                 inner = shared.work.wait(inner).unwrap_or_else(|e| e.into_inner());
             }
         };
+        run_job(shared, job);
+    }
+}
+
+/// Loads one queued record into its slot and settles its ticket (an IO thread's work, or a step's
+/// through [`ExpertPool::load_queued`]).
+fn run_job<M: SlotMemory>(shared: &Shared<M>, job: Job) {
+    let record_bytes = shared.store.record_bytes() as u64;
+    {
         let start = Instant::now();
         let (store, (layer, expert)) = (&shared.store, (job.layer, job.expert));
         let result =

@@ -821,3 +821,60 @@ fn store_records_name_where_they_lie_in_the_expert_file() {
         }
     }
 }
+
+/// Host slots whose loads on any thread but `free` block until the gate opens.
+struct ThreadGated {
+    inner: Arc<GatedSlots>,
+    free: std::thread::ThreadId,
+}
+
+impl SlotMemory for ThreadGated {
+    fn slot_count(&self) -> usize {
+        self.inner.slot_count()
+    }
+    fn record_bytes(&self) -> usize {
+        self.inner.record_bytes()
+    }
+    fn load(&self, slot: usize, record: &dyn RecordSource) -> Result<()> {
+        if std::thread::current().id() == self.free {
+            self.inner.loads.fetch_add(1, Ordering::SeqCst);
+            return self.inner.slots.load(slot, record);
+        }
+        self.inner.load(slot, record)
+    }
+}
+
+#[test]
+fn a_step_can_run_its_own_queued_reads() {
+    let f = fixture();
+    let gated = GatedSlots::new(8, f.store.record_bytes());
+    let memory = Arc::new(ThreadGated { inner: gated.clone(), free: std::thread::current().id() });
+    let pool = ExpertPool::new(Arc::clone(&f.store), memory, 1).unwrap();
+    // The one IO thread takes a prefetch and blocks at the gate.
+    assert_eq!(pool.prefetch(1, &[4]), 1);
+    while gated.entered.load(Ordering::SeqCst) == 0 {
+        std::thread::yield_now();
+    }
+    // Two misses are queued with no thread free to read them; the step reads them itself.
+    let lease = pool.acquire(0, &[2, 5]).unwrap();
+    assert!(!lease.is_ready(0) && !lease.is_ready(1));
+    assert_eq!(pool.load_queued(), 2);
+    assert!(lease.is_ready(0) && lease.is_ready(1));
+    for (i, e) in lease.entries().iter().enumerate() {
+        lease.wait(i).unwrap();
+        // SAFETY: the entry is loaded and pinned by the lease.
+        let got = unsafe { gated.slots.slot(e.slot) };
+        assert!(got == f.records[0][e.expert].as_slice(), "expert {}", e.expert);
+    }
+    // The prefetch is not a step's read: it stays with the IO thread.
+    assert_eq!(pool.load_queued(), 0);
+    gated.open();
+    drop(lease);
+    let t = std::time::Instant::now();
+    while pool.stats().total.bytes_read < 3 * f.store.record_bytes() as u64 && t.elapsed().as_secs() < 30 {
+        std::thread::yield_now();
+    }
+    assert_eq!(gated.loads.load(Ordering::SeqCst), 3);
+    let s = pool.stats();
+    assert_eq!((s.total.misses, s.total.bytes_read), (2, 3 * f.store.record_bytes() as u64));
+}
