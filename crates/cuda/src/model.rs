@@ -1177,12 +1177,10 @@ impl CudaModel {
             unsafe { mb.ids_host.as_slice::<i32>() }[l * k..(l + 1) * k].iter().map(|&i| i as usize).collect();
         // 2. Lease (misses are queued first). Copies from a pinned expert file only need queueing:
         // this thread queues them at once rather than wake an IO thread for each.
-        let lease = self.pool.acquire(l, &experts)?;
         let mem = self.pool.memory();
         let background = mem.copies_in_background();
-        if background {
-            self.pool.load_queued();
-        }
+        let lease =
+            if background { self.pool.acquire_loading(l, &experts)? } else { self.pool.acquire(l, &experts)? };
         let entries = lease.entries();
         // Table order: resident first, then the rest, each by routing weight (experts arrive sorted).
         let mut order: Vec<usize> = (0..entries.len()).filter(|&i| entries[i].hit).collect();

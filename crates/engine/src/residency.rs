@@ -757,6 +757,20 @@ impl<M: SlotMemory> ExpertPool<M> {
     ///
     /// `experts` must be distinct (the caller deduplicates) and ordered by importance.
     pub fn acquire(&self, layer: usize, experts: &[usize]) -> Result<Lease<'_, M>> {
+        self.acquire_waking(layer, experts, true)
+    }
+
+    /// [`ExpertPool::acquire`], and the misses' reads run on the calling thread
+    /// ([`ExpertPool::load_queued`]) without waking an IO thread for them: for a memory whose load
+    /// only queues device work (the CUDA slots copying from a pinned expert file), where a dozen
+    /// threads woken for nothing cost more than the loads.
+    pub fn acquire_loading(&self, layer: usize, experts: &[usize]) -> Result<Lease<'_, M>> {
+        let lease = self.acquire_waking(layer, experts, false)?;
+        self.load_queued();
+        Ok(lease)
+    }
+
+    fn acquire_waking(&self, layer: usize, experts: &[usize], wake: bool) -> Result<Lease<'_, M>> {
         self.check_request(layer, experts)?;
         if let Some(t) = self.trace.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
             t.push(crate::policy::Step { layer: layer as u16, experts: experts.iter().map(|&e| e as u16).collect() });
@@ -844,7 +858,7 @@ impl<M: SlotMemory> ExpertPool<M> {
                 pins[i] = Some(Pin { generation, ticket: Some(ticket) });
             }
         }
-        if misses > 0 {
+        if misses > 0 && wake {
             self.shared.work.notify_all();
         }
         self.record_blocked(layer, blocked);

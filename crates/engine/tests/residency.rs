@@ -878,3 +878,24 @@ fn a_step_can_run_its_own_queued_reads() {
     let s = pool.stats();
     assert_eq!((s.total.misses, s.total.bytes_read), (2, 3 * f.store.record_bytes() as u64));
 }
+
+#[test]
+fn acquire_loading_reads_the_misses_on_the_calling_thread() {
+    let f = fixture();
+    let gated = GatedSlots::new(8, f.store.record_bytes());
+    // Loads on any other thread (the IO threads) would block at the closed gate.
+    let memory = Arc::new(ThreadGated { inner: gated.clone(), free: std::thread::current().id() });
+    let pool = ExpertPool::new(Arc::clone(&f.store), memory, 2).unwrap();
+    for (layer, experts) in [(0, vec![1, 3, 5]), (2, vec![0, 1])] {
+        let lease = pool.acquire_loading(layer, &experts).unwrap();
+        for (i, e) in lease.entries().iter().enumerate() {
+            assert!(lease.is_ready(i), "layer {layer} expert {}", e.expert);
+            // SAFETY: the entry is loaded and pinned by the lease.
+            let got = unsafe { gated.slots.slot(e.slot) };
+            assert!(got == f.records[layer][e.expert].as_slice(), "layer {layer} expert {}", e.expert);
+        }
+    }
+    assert_eq!(gated.entered.load(Ordering::SeqCst), 0, "an IO thread took a step's read");
+    assert_eq!(pool.stats().total.misses, 5);
+    gated.open();
+}
