@@ -1176,7 +1176,7 @@ impl CudaModel {
         let experts: Vec<usize> =
             unsafe { mb.ids_host.as_slice::<i32>() }[l * k..(l + 1) * k].iter().map(|&i| i as usize).collect();
         // 2. Lease (misses are queued first). Copies from a pinned expert file only need queueing:
-        // this thread queues them at once rather than wake an IO thread for each.
+        // this thread queues them at once, and no IO thread is woken for them.
         let mem = self.pool.memory();
         let background = mem.copies_in_background();
         let lease =
