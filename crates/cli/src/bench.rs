@@ -463,6 +463,9 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         if crate::load::auto_pins(experts_full) { "would pin" } else { "would not pin" },
         format_bytes(experts_full)
     ));
+    md.push_str(
+        "Waiting is the host's wait for reads; in the pinned cases the host does not wait for copies, and it is the GPU's, from the resident experts' end to the read experts' start (CUDA events).\n",
+    );
     md.push_str(&format!(
         "\nCache policies replayed on the warm streamed run's routing trace ({} timed steps, {} slots; each replay starts empty and first replays the {} steps of the prompt and warm-up tokens, uncounted, as the pool did):\n\n",
         trace.len() - cases[2].warm_steps,

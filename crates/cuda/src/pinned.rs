@@ -123,8 +123,14 @@ impl PinnedExperts {
         }
         let start = usize::try_from(offset).ok()?;
         let end = start.checked_add(bytes)?;
-        self.chunks.iter().any(|&(s, n)| start >= s && end <= s + n).then(|| &self.map[start..end])
+        within_one(&self.chunks, start, end).then(|| &self.map[start..end])
     }
+}
+
+/// Whether bytes `start..end` lie inside one of the registered ranges `(start, bytes)` (a copy
+/// must not span two registrations).
+fn within_one(chunks: &[(usize, usize)], start: usize, end: usize) -> bool {
+    chunks.iter().any(|&(s, n)| start >= s && end <= s + n)
 }
 
 /// Reads record `idx` of the store through its checksums (each piece, or the whole record).
@@ -159,5 +165,20 @@ impl Drop for PinnedExperts {
                 let _ = sys::cuMemHostUnregister(self.map.as_ptr().add(start) as *mut c_void);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::within_one;
+
+    #[test]
+    fn a_record_is_pinned_only_inside_one_registered_chunk() {
+        let chunks = [(0, 300), (300, 300), (600, 100)];
+        assert!(within_one(&chunks, 0, 100) && within_one(&chunks, 200, 300) && within_one(&chunks, 600, 700));
+        // Across a chunk boundary, past the end, or with nothing registered: not pinned.
+        assert!(!within_one(&chunks, 250, 350));
+        assert!(!within_one(&chunks, 650, 750));
+        assert!(!within_one(&[], 0, 1));
     }
 }
