@@ -850,6 +850,7 @@ fn a_step_can_run_its_own_queued_reads() {
     let gated = GatedSlots::new(8, f.store.record_bytes());
     let memory = Arc::new(ThreadGated { inner: gated.clone(), free: std::thread::current().id() });
     let pool = ExpertPool::new(Arc::clone(&f.store), memory, 1).unwrap();
+    let _open = OpenOnDrop(gated.clone());
     // The one IO thread takes a prefetch and blocks at the gate.
     assert_eq!(pool.prefetch(1, &[4]), 1);
     while gated.entered.load(Ordering::SeqCst) == 0 {
@@ -879,13 +880,29 @@ fn a_step_can_run_its_own_queued_reads() {
     assert_eq!((s.total.misses, s.total.bytes_read), (2, 3 * f.store.record_bytes() as u64));
 }
 
+/// Opens the gate when dropped, so a failed assertion does not leave an IO thread blocked at it
+/// (the pool's drop joins its threads). Declare it after the pool: it drops first.
+struct OpenOnDrop(Arc<GatedSlots>);
+
+impl Drop for OpenOnDrop {
+    fn drop(&mut self) {
+        self.0.open();
+    }
+}
+
 #[test]
 fn acquire_loading_reads_the_misses_on_the_calling_thread() {
     let f = fixture();
     let gated = GatedSlots::new(8, f.store.record_bytes());
-    // Loads on any other thread (the IO threads) would block at the closed gate.
+    // Loads on any other thread (the IO thread) block at the closed gate.
     let memory = Arc::new(ThreadGated { inner: gated.clone(), free: std::thread::current().id() });
-    let pool = ExpertPool::new(Arc::clone(&f.store), memory, 2).unwrap();
+    let pool = ExpertPool::new(Arc::clone(&f.store), memory, 1).unwrap();
+    let _open = OpenOnDrop(gated.clone());
+    // The one IO thread takes a prefetch and blocks at the gate: only this thread can read now.
+    assert_eq!(pool.prefetch(3, &[4]), 1);
+    while gated.entered.load(Ordering::SeqCst) == 0 {
+        std::thread::yield_now();
+    }
     for (layer, experts) in [(0, vec![1, 3, 5]), (2, vec![0, 1])] {
         let lease = pool.acquire_loading(layer, &experts).unwrap();
         for (i, e) in lease.entries().iter().enumerate() {
@@ -895,7 +912,6 @@ fn acquire_loading_reads_the_misses_on_the_calling_thread() {
             assert!(got == f.records[layer][e.expert].as_slice(), "layer {layer} expert {}", e.expert);
         }
     }
-    assert_eq!(gated.entered.load(Ordering::SeqCst), 0, "an IO thread took a step's read");
+    assert_eq!(gated.entered.load(Ordering::SeqCst), 1, "the IO thread took a step's read");
     assert_eq!(pool.stats().total.misses, 5);
-    gated.open();
 }
