@@ -858,8 +858,8 @@ impl<M: SlotMemory> ExpertPool<M> {
                 pins[i] = Some(Pin { generation, ticket: Some(ticket) });
             }
         }
-        if misses > 0 && wake {
-            self.shared.work.notify_all();
+        if wake {
+            self.wake_readers(misses as usize);
         }
         self.record_blocked(layer, blocked);
         self.shared.counters.record_acquire(layer, hits, inflight, misses);
@@ -963,9 +963,21 @@ impl<M: SlotMemory> ExpertPool<M> {
         }
         if queued > 0 {
             self.shared.counters.record_prefetch(layer, queued as u64);
-            self.shared.work.notify_all();
+            self.wake_readers(queued);
         }
         queued
+    }
+
+    /// Wakes one IO thread per newly queued read (all of them for as many reads as threads), not
+    /// every thread for one read: those woken for nothing would only contend for the pool's lock
+    /// with the step. A thread already awake takes queued reads before it sleeps again, so none
+    /// is left behind.
+    fn wake_readers(&self, jobs: usize) {
+        if jobs >= self.threads.len() {
+            self.shared.work.notify_all();
+        } else {
+            (0..jobs).for_each(|_| self.shared.work.notify_one());
+        }
     }
 
     /// Records how well a lookahead predicted `layer`'s experts (see [`PoolStats`]).
