@@ -1,12 +1,14 @@
 //! `cherenkov bench`: decode speed on a synthetic model of the released shape, on the GPU.
 //!
 //! One run measures: the device and pinned host-to-device bandwidths; decode with every expert
-//! resident; decode with the expert cache a 21 GB budget would leave the full model (streamed from
-//! the page cache, then from a cold cache); hit rates, lookahead accuracy, bytes read per token and
+//! resident (at this depth and half of it); decode with the expert cache a 21 GB budget would
+//! leave the full model (copied from the pinned expert file, read by the CPU from the page cache,
+//! then from a cold cache); hit rates, lookahead accuracy, bytes read per token and
 //! where the time goes; the offline policy study (LRU, LRFU, Belady) on the streamed run's routing
 //! trace; the roofline ratios; and the same shape in transformers' eager implementation. The model
 //! has random weights and skewed synthetic routers (see `cherenkov_engine::routing`); its depth is
-//! `--layers` (to fit a disk), and 48-layer figures are extrapolated per layer from it and said so.
+//! `--layers` (to fit a disk), and 48-layer figures are extrapolated per layer from it and half of
+//! it (a per-token part and a per-layer part) and said so.
 
 use std::io::Write;
 use std::os::fd::AsRawFd;
@@ -36,8 +38,9 @@ use crate::run::prompt_tokens;
 
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
-    /// Decoder layers of the synthetic model (the released model has 48; 48-layer figures are
-    /// extrapolated per layer).
+    /// Decoder layers of the synthetic model (the released model has 48; 48-layer figures add 48
+    /// times each case's time per layer to the time per token, both measured from this depth and
+    /// half of it).
     #[arg(long, default_value_t = 4)]
     pub layers: usize,
     /// Routed experts per layer.
