@@ -1179,52 +1179,47 @@ fn io_loop<M: SlotMemory>(shared: &Shared<M>) {
 /// through [`ExpertPool::load_queued`]).
 fn run_job<M: SlotMemory>(shared: &Shared<M>, job: Job) {
     let record_bytes = shared.store.record_bytes() as u64;
-    {
-        let start = Instant::now();
-        let (store, (layer, expert)) = (&shared.store, (job.layer, job.expert));
-        let result =
-            catch_unwind(AssertUnwindSafe(|| shared.memory.load(job.slot, &StoreRecord { store, layer, expert })))
-                .unwrap_or_else(|panic| {
-                    let what = panic
-                        .downcast_ref::<&str>()
-                        .map(|s| s.to_string())
-                        .or_else(|| panic.downcast_ref::<String>().cloned())
-                        .unwrap_or_else(|| "unknown panic".to_string());
-                    Err(anyhow!("the slot loader panicked: {what}"))
-                });
-        let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        shared.counters.record_read(layer, expert, record_bytes, ns, result.is_ok());
+    let start = Instant::now();
+    let (store, (layer, expert)) = (&shared.store, (job.layer, job.expert));
+    let result = catch_unwind(AssertUnwindSafe(|| shared.memory.load(job.slot, &StoreRecord { store, layer, expert })))
+        .unwrap_or_else(|panic| {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".to_string());
+            Err(anyhow!("the slot loader panicked: {what}"))
+        });
+    let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    shared.counters.record_read(layer, expert, record_bytes, ns, result.is_ok());
 
-        let mut guard = shared.lock();
-        let inner = &mut *guard;
-        let slot = &mut inner.slots[job.slot];
-        debug_assert!(slot.state == State::Loading && slot.generation == job.generation, "a loading slot was reused");
-        match result {
-            Ok(()) => {
-                slot.state = State::Ready;
-                slot.ticket = None;
-                if slot.pins == 0 {
-                    inner.evictable.insert(slot.rank, job.slot);
-                }
-                job.ticket.state.store(TICKET_READY, Ordering::Release);
+    let mut guard = shared.lock();
+    let inner = &mut *guard;
+    let slot = &mut inner.slots[job.slot];
+    debug_assert!(slot.state == State::Loading && slot.generation == job.generation, "a loading slot was reused");
+    match result {
+        Ok(()) => {
+            slot.state = State::Ready;
+            slot.ticket = None;
+            if slot.pins == 0 {
+                inner.evictable.insert(slot.rank, job.slot);
             }
-            Err(e) => {
-                let name = &shared.store.manifest.experts.layers[layer].layer;
-                let _ = job
-                    .ticket
-                    .error
-                    .set(format!("expert {expert} of MoE layer {layer} ({name}) failed to load: {e:#}"));
-                job.ticket.state.store(TICKET_FAILED, Ordering::Release);
-                // Forget the record and free the slot; leases still naming it see the generation
-                // change and leave it alone. The next acquire of the record reads it again.
-                inner.map.remove(&(layer, expert));
-                *slot = Slot::free();
-                inner.free.push(job.slot);
-            }
+            job.ticket.state.store(TICKET_READY, Ordering::Release);
         }
-        drop(guard);
-        shared.done.notify_all();
+        Err(e) => {
+            let name = &shared.store.manifest.experts.layers[layer].layer;
+            let _ =
+                job.ticket.error.set(format!("expert {expert} of MoE layer {layer} ({name}) failed to load: {e:#}"));
+            job.ticket.state.store(TICKET_FAILED, Ordering::Release);
+            // Forget the record and free the slot; leases still naming it see the generation
+            // change and leave it alone. The next acquire of the record reads it again.
+            inner.map.remove(&(layer, expert));
+            *slot = Slot::free();
+            inner.free.push(job.slot);
+        }
     }
+    drop(guard);
+    shared.done.notify_all();
 }
 
 impl<'a, M: SlotMemory> Lease<'a, M> {
