@@ -4,9 +4,11 @@
 //! come through the shared expert pool ([`cherenkov_engine::residency`]); n-gram rows are read from
 //! `ngram.bin` one row at a time. One file per block kind: [`hyper`] (hyper-connections), [`gdn`]
 //! (Gated DeltaNet), [`attention`] (QSA attention), [`ple`] (n-gram PLE), [`moe`] (router, experts,
-//! shared expert); [`model`] strings them together; [`state`] is a sequence's decode state.
+//! shared expert); [`expert`] is one expert for one token split by rows and [`team`] the threads
+//! that share it, for the GPU backend's experts computed on the CPU; [`model`] strings them together; [`state`] is a sequence's decode state.
 
 pub mod attention;
+pub mod expert;
 pub mod gdn;
 pub mod hyper;
 pub mod linear;
@@ -15,6 +17,7 @@ pub mod moe;
 pub mod ops;
 pub mod ple;
 pub mod state;
+pub mod team;
 pub mod weights;
 
 pub use cherenkov_engine::backend::Logits;

@@ -145,6 +145,27 @@ impl<'a> Linear<'a> {
         }
     }
 
+    /// The dot product of weight row `r` with one input row `x` (`xsums`: its per-group sums, for
+    /// affine weights; see [`group_sums`]). The single-token path of the experts computed on the
+    /// CPU ([`crate::expert`]): 4-bit rows use AVX2 where the CPU has it, every other format the
+    /// decode-then-dot of [`Linear::forward`]. The result does not depend on which rows a thread
+    /// takes.
+    pub fn dot_one(&self, r: usize, x: &[f32], xsums: &[f32]) -> f32 {
+        if let Linear::Affine { fmt, cols, words, scales, biases, .. } = *self
+            && fmt.bits == 4
+            && fmt.group_size.is_multiple_of(8)
+        {
+            let (wpr, gpr) = (fmt.words_per_row(cols), fmt.groups_per_row(cols));
+            let (w, s, b) =
+                (&words[r * wpr..(r + 1) * wpr], &scales[r * gpr..(r + 1) * gpr], &biases[r * gpr..(r + 1) * gpr]);
+            return q4::dot(w, s, b, &x[..cols], &xsums[..gpr], fmt.group_size);
+        }
+        let mut scratch = vec![0f32; self.cols()];
+        let mut out = [0f32];
+        self.row_dots(r, x, xsums, &mut scratch, &mut out);
+        out[0]
+    }
+
     /// Dot products of weight row `r` with every input row.
     #[inline]
     fn row_dots(&self, r: usize, x: &[f32], xsums: &[f32], scratch: &mut [f32], out: &mut [f32]) {
@@ -176,6 +197,89 @@ impl<'a> Linear<'a> {
                 }
             }
         }
+    }
+}
+
+/// Per-group sums of `x` (the affine bias term's input; empty for float weights' callers that
+/// pass it anyway).
+pub fn group_sums(x: &[f32], group_size: usize) -> Vec<f32> {
+    x.chunks_exact(group_size).map(|g| g.iter().sum::<f32>()).collect()
+}
+
+/// One 4-bit affine row (LSB-first codes, 8 per word; groups a multiple of 8 codes) against one
+/// input row: sum_g scale_g * (sum_j q_j x_j) + bias_g * xsum_g.
+mod q4 {
+    use super::bf16;
+
+    pub fn dot(words: &[u32], scales: &[u16], biases: &[u16], x: &[f32], xsums: &[f32], gs: usize) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        if gs.is_multiple_of(32)
+            && std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: the CPU has AVX2 and FMA (checked above); the slices are sized by the caller
+            // (words: x.len() / 8, scales and biases: x.len() / gs), which `avx2` asserts.
+            return unsafe { avx2(words, scales, biases, x, xsums, gs) };
+        }
+        portable(words, scales, biases, x, xsums, gs)
+    }
+
+    pub fn portable(words: &[u32], scales: &[u16], biases: &[u16], x: &[f32], xsums: &[f32], gs: usize) -> f32 {
+        let wpg = gs / 8;
+        let mut acc = 0f32;
+        for (g, (gw, gx)) in words.chunks_exact(wpg).zip(x.chunks_exact(gs)).enumerate() {
+            let mut lanes = [0f32; 8];
+            for (w, xs) in gw.iter().zip(gx.chunks_exact(8)) {
+                for k in 0..8 {
+                    lanes[k] += ((w >> (4 * k)) & 0xF) as f32 * xs[k];
+                }
+            }
+            let d = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+            acc += bf16(scales[g]) * d + bf16(biases[g]) * xsums[g];
+        }
+        acc
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn avx2(words: &[u32], scales: &[u16], biases: &[u16], x: &[f32], xsums: &[f32], gs: usize) -> f32 {
+        use std::arch::x86_64::*;
+        let (groups, wpg) = (x.len() / gs, gs / 8);
+        assert!(words.len() >= groups * wpg && scales.len() >= groups && biases.len() >= groups);
+        assert!(xsums.len() >= groups && wpg.is_multiple_of(4));
+        let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+        let mask = _mm256_set1_epi32(0xF);
+        let mut row = _mm256_setzero_ps();
+        let mut bias = 0f32;
+        let (wp, xp) = (words.as_ptr(), x.as_ptr());
+        // Codes of word j as 8 floats.
+        let codes = |j: usize| {
+            // SAFETY: callers pass j < groups * wpg <= words.len().
+            let w = unsafe { *wp.add(j) } as i32;
+            _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), shifts), mask))
+        };
+        // SAFETY: callers pass j < groups * wpg, and x holds 8 values per word.
+        let xs = |j: usize| unsafe { _mm256_loadu_ps(xp.add(8 * j)) };
+        for g in 0..groups {
+            // Four chains, so the multiply-adds' latency does not set the pace.
+            let (mut a0, mut a1, mut a2, mut a3) =
+                (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
+            let mut j = g * wpg;
+            while j < (g + 1) * wpg {
+                a0 = _mm256_fmadd_ps(codes(j), xs(j), a0);
+                a1 = _mm256_fmadd_ps(codes(j + 1), xs(j + 1), a1);
+                a2 = _mm256_fmadd_ps(codes(j + 2), xs(j + 2), a2);
+                a3 = _mm256_fmadd_ps(codes(j + 3), xs(j + 3), a3);
+                j += 4;
+            }
+            let a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+            row = _mm256_fmadd_ps(a, _mm256_set1_ps(bf16(scales[g])), row);
+            bias += bf16(biases[g]) * xsums[g];
+        }
+        let mut lanes = [0f32; 8];
+        // SAFETY: 8 floats into an array of 8.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), row) };
+        ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])) + bias
     }
 }
 
@@ -281,6 +385,29 @@ mod tests {
                         "bits {bits} row {r} t {t}: {got} vs {want}"
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn q4_portable_and_vector_dots_agree() {
+        let (rows, cols) = (3, 256);
+        for gs in [32, 64, 128] {
+            let fmt = Affine::new(4, gs);
+            let w = rand_vec(rows * cols, gs as u64);
+            let bf: Vec<u16> = w.iter().map(|&x| cherenkov_model::dtype::f32_to_bf16(x)).collect();
+            let q = quantize_matrix(&bf, rows, cols, fmt);
+            let x = rand_vec(cols, 3);
+            let xs = group_sums(&x, gs);
+            let (wpr, gpr) = (fmt.words_per_row(cols), fmt.groups_per_row(cols));
+            for r in 0..rows {
+                let (w, s, b) = (
+                    &q.words[r * wpr..(r + 1) * wpr],
+                    &q.scales[r * gpr..(r + 1) * gpr],
+                    &q.biases[r * gpr..(r + 1) * gpr],
+                );
+                let (fast, slow) = (q4::dot(w, s, b, &x, &xs, gs), q4::portable(w, s, b, &x, &xs, gs));
+                assert!((fast - slow).abs() <= 1e-4 * (1.0 + slow.abs()), "gs {gs} row {r}: {fast} vs {slow}");
             }
         }
     }

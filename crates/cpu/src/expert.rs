@@ -1,0 +1,184 @@
+//! One routed expert for one token, computed from its packed record with the work split by rows,
+//! so that a team of threads can share one expert: `act = silu(gate x) * (up x)` by rows of the
+//! intermediate width, then `y = down act` by rows of the hidden width. The GPU backend uses it for
+//! the experts it chooses to compute on the CPU instead of copying their records
+//! (`--cpu-experts`); the split only decides which thread computes a row, never a row's value.
+
+use std::ops::Range;
+
+use anyhow::{Result, bail};
+use cherenkov_model::store::ExpertLayout;
+
+use crate::linear::{Linear, group_sums};
+use crate::ops::silu;
+
+/// The three matrices of one expert record.
+#[derive(Clone, Copy)]
+pub struct ExpertMatrices<'a> {
+    pub gate: Linear<'a>,
+    pub up: Linear<'a>,
+    pub down: Linear<'a>,
+}
+
+impl<'a> ExpertMatrices<'a> {
+    /// The matrices of `rec`, a record of a layer laid out as `layout`.
+    pub fn from_record(rec: &'a [u8], layout: &ExpertLayout) -> Result<ExpertMatrices<'a>> {
+        let m = ExpertMatrices {
+            gate: Linear::from_record(rec, &layout.gate_proj)?,
+            up: Linear::from_record(rec, &layout.up_proj)?,
+            down: Linear::from_record(rec, &layout.down_proj)?,
+        };
+        let (i, h) = (m.gate.rows(), m.gate.cols());
+        if m.up.rows() != i || m.up.cols() != h || m.down.rows() != h || m.down.cols() != i {
+            bail!(
+                "expert record of {}: gate [{i}, {h}], up [{}, {}] and down [{}, {}] do not make an MLP",
+                layout.layer,
+                m.up.rows(),
+                m.up.cols(),
+                m.down.rows(),
+                m.down.cols()
+            );
+        }
+        Ok(m)
+    }
+
+    /// The hidden width (the input's and the output's length).
+    pub fn hidden(&self) -> usize {
+        self.gate.cols()
+    }
+
+    /// The intermediate width (the activation's length).
+    pub fn intermediate(&self) -> usize {
+        self.gate.rows()
+    }
+
+    /// The per-group sums [`ExpertMatrices::gate_up_rows`] needs of its input (those of `down`'s
+    /// input come from [`ExpertMatrices::act_sums`]).
+    pub fn input_sums(&self, x: &[f32]) -> Vec<f32> {
+        sums_for(&self.gate, x)
+    }
+
+    /// The per-group sums of the activation, for [`ExpertMatrices::down_rows`].
+    pub fn act_sums(&self, act: &[f32]) -> Vec<f32> {
+        sums_for(&self.down, act)
+    }
+
+    /// `act[r - rows.start] = silu(gate_r x) * (up_r x)` for `r` in `rows`.
+    pub fn gate_up_rows(&self, x: &[f32], xsums: &[f32], rows: Range<usize>, act: &mut [f32]) {
+        for (r, a) in rows.zip(act.iter_mut()) {
+            *a = silu(self.gate.dot_one(r, x, xsums)) * self.up.dot_one(r, x, xsums);
+        }
+    }
+
+    /// `y[r - rows.start] = down_r act` for `r` in `rows`.
+    pub fn down_rows(&self, act: &[f32], asums: &[f32], rows: Range<usize>, y: &mut [f32]) {
+        for (r, o) in rows.zip(y.iter_mut()) {
+            *o = self.down.dot_one(r, act, asums);
+        }
+    }
+
+    /// The whole expert on the calling thread.
+    pub fn forward(&self, x: &[f32]) -> Vec<f32> {
+        let mut act = vec![0f32; self.intermediate()];
+        self.gate_up_rows(x, &self.input_sums(x), 0..act.len(), &mut act);
+        let mut y = vec![0f32; self.hidden()];
+        self.down_rows(&act, &self.act_sums(&act), 0..y.len(), &mut y);
+        y
+    }
+}
+
+fn sums_for(m: &Linear, x: &[f32]) -> Vec<f32> {
+    match m {
+        Linear::Affine { fmt, .. } => group_sums(x, fmt.group_size),
+        Linear::Float { .. } => Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cherenkov_model::quant::{Affine, quantize_matrix};
+
+    fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+            })
+            .collect()
+    }
+
+    struct Q {
+        words: Vec<u32>,
+        scales: Vec<u16>,
+        biases: Vec<u16>,
+    }
+
+    fn quant(rows: usize, cols: usize, fmt: Affine, seed: u64) -> Q {
+        let w = rand_vec(rows * cols, seed);
+        let bf: Vec<u16> = w.iter().map(|&x| cherenkov_model::dtype::f32_to_bf16(x)).collect();
+        let q = quantize_matrix(&bf, rows, cols, fmt);
+        Q { words: q.words, scales: q.scales, biases: q.biases }
+    }
+
+    fn lin(q: &Q, fmt: Affine, rows: usize, cols: usize) -> Linear<'_> {
+        Linear::Affine { fmt, rows, cols, words: &q.words, scales: &q.scales, biases: &q.biases }
+    }
+
+    /// The expert by the CPU backend's batch path (`Linear::forward`), against the single-token
+    /// rows split over "threads", for the widths the GPU path meets.
+    #[test]
+    fn split_rows_match_the_batch_path() {
+        for (bits, gs) in [(4, 64), (4, 32), (8, 64), (3, 64), (2, 32)] {
+            let (i, h) = (96, 256);
+            let fmt = Affine::new(bits, gs);
+            let (g, u, d) = (quant(i, h, fmt, 1), quant(i, h, fmt, 2), quant(h, i, fmt, 3));
+            let m = ExpertMatrices { gate: lin(&g, fmt, i, h), up: lin(&u, fmt, i, h), down: lin(&d, fmt, h, i) };
+            let x = rand_vec(h, 9);
+            // Reference: the batch kernels.
+            let (mut gv, mut uv) = (vec![0f32; i], vec![0f32; i]);
+            m.gate.forward(&x, &mut gv);
+            m.up.forward(&x, &mut uv);
+            let act: Vec<f32> = gv.iter().zip(&uv).map(|(a, b)| silu(*a) * b).collect();
+            let mut want = vec![0f32; h];
+            m.down.forward(&act, &mut want);
+            let whole = m.forward(&x);
+            // Rows in uneven chunks, as a team would take them.
+            let xs = m.input_sums(&x);
+            let mut a2 = vec![0f32; i];
+            for c in [0..7, 7..40, 40..i] {
+                m.gate_up_rows(&x, &xs, c.clone(), &mut a2[c]);
+            }
+            let asums = m.act_sums(&a2);
+            let mut y2 = vec![0f32; h];
+            for c in [0..100, 100..101, 101..h] {
+                m.down_rows(&a2, &asums, c.clone(), &mut y2[c]);
+            }
+            assert_eq!(whole, y2, "bits {bits}: the split changed a value");
+            for (r, (got, want)) in whole.iter().zip(&want).enumerate() {
+                assert!(
+                    (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                    "bits {bits} gs {gs} row {r}: {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    /// The AVX2 4-bit dot (where the CPU has it) against the portable one.
+    #[test]
+    fn q4_paths_agree() {
+        let (rows, cols) = (5, 512);
+        let fmt = Affine::new(4, 64);
+        let q = quant(rows, cols, fmt, 4);
+        let l = lin(&q, fmt, rows, cols);
+        let x = rand_vec(cols, 5);
+        let xs = group_sums(&x, 64);
+        let mut want = vec![0f32; rows];
+        l.forward(&x, &mut want);
+        for (r, want) in want.iter().enumerate() {
+            let fast = l.dot_one(r, &x, &xs);
+            assert!((fast - want).abs() <= 1e-4 * (1.0 + want.abs()), "row {r}: {fast} vs {want}");
+        }
+    }
+}
