@@ -901,6 +901,27 @@ impl<M: SlotMemory> ExpertPool<M> {
         Ok(())
     }
 
+    /// For each of `experts` of MoE layer `layer`, whether it is absent: neither loaded nor being
+    /// loaded (what an acquire would count as a miss now).
+    pub fn absent(&self, layer: usize, experts: &[usize]) -> Vec<bool> {
+        let inner = self.shared.lock();
+        experts.iter().map(|&e| !inner.map.contains_key(&(layer, e))).collect()
+    }
+
+    /// Counts `experts` of `layer`, routed by a step and computed elsewhere (on the CPU) instead of
+    /// acquired, as misses computed on the CPU; the cache is not changed.
+    pub fn record_cpu_computed(&self, layer: usize, experts: &[usize]) {
+        if layer >= self.layers || experts.is_empty() {
+            return;
+        }
+        let c = &self.shared.counters;
+        c.record_acquire(layer, 0, 0, experts.len() as u64);
+        c.record_cpu_computed(layer, experts.len() as u64);
+        for &e in experts.iter().filter(|&&e| e < self.num_experts) {
+            c.record_routed(layer, e, Served::Miss);
+        }
+    }
+
     /// Runs the queued step reads (misses, not prefetches) on the calling thread instead of waiting
     /// for an IO thread to wake for them; returns how many it ran. For a memory whose load only
     /// queues work on a device (the CUDA slots copying from a pinned expert file), where waking a

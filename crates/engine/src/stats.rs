@@ -11,7 +11,8 @@
 //! Counting rules (each routed expert lands in exactly one of the first three):
 //! - `hits`: resident and loaded when acquired; no IO, ready at once.
 //! - `inflight`: already being loaded for an earlier request; joined that read, no second read.
-//! - `misses`: a read was queued for it.
+//! - `misses`: not in the cache: a read was queued for it, or (the CUDA backend's
+//!   `--cpu-experts`) the CPU computed it instead; `cpu_computed` counts the latter.
 //! - `reads` / `read_errors`: reads completed by the IO threads, with their latency in
 //!   `read_ns_sum`, `read_ns_max` and the histogram; `bytes_read` counts successful reads only.
 //!
@@ -71,6 +72,7 @@ struct LayerCounters {
     lookahead_predicted: AtomicU64,
     lookahead_routed: AtomicU64,
     lookahead_correct: AtomicU64,
+    cpu_computed: AtomicU64,
     latency: [AtomicU64; LATENCY_BUCKETS],
 }
 
@@ -93,6 +95,7 @@ impl LayerCounters {
             lookahead_predicted: self.lookahead_predicted.load(Relaxed),
             lookahead_routed: self.lookahead_routed.load(Relaxed),
             lookahead_correct: self.lookahead_correct.load(Relaxed),
+            cpu_computed: self.cpu_computed.load(Relaxed),
             resident,
             latency: std::array::from_fn(|i| self.latency[i].load(Relaxed)),
         }
@@ -116,6 +119,7 @@ impl LayerCounters {
             &self.lookahead_predicted,
             &self.lookahead_routed,
             &self.lookahead_correct,
+            &self.cpu_computed,
         ];
         for c in all.into_iter().chain(&self.latency) {
             c.store(0, Relaxed);
@@ -273,6 +277,14 @@ impl PoolCounters {
         c.lookahead_predicted.fetch_add(predicted, Relaxed);
         c.lookahead_routed.fetch_add(routed, Relaxed);
         c.lookahead_correct.fetch_add(correct, Relaxed);
+    }
+
+    /// Of the misses of `layer` just recorded, `n` were computed on the CPU instead of read.
+    pub fn record_cpu_computed(&self, layer: usize, n: u64) {
+        if !ENABLED {
+            return;
+        }
+        self.layers[layer].cpu_computed.fetch_add(n, Relaxed);
     }
 
     /// A step blocked `ns` nanoseconds waiting for an expert of `layer` to arrive.
@@ -476,7 +488,8 @@ pub struct LayerStats {
     pub hits: u64,
     /// Requested experts whose read was already in flight (joined, not read again).
     pub inflight: u64,
-    /// Requested experts for which a read was queued.
+    /// Requested experts not in the cache: a read was queued, or the CPU computed them
+    /// (`cpu_computed`).
     pub misses: u64,
     /// Reads completed successfully.
     pub reads: u64,
@@ -504,6 +517,8 @@ pub struct LayerStats {
     pub lookahead_routed: u64,
     /// Of those, the ones the lookahead predicted.
     pub lookahead_correct: u64,
+    /// Misses computed on the CPU instead of read (the CUDA backend's `--cpu-experts`).
+    pub cpu_computed: u64,
     /// Records resident (loaded) at the snapshot.
     pub resident: usize,
     /// Read-latency histogram, buckets as in [`LATENCY_BUCKET_BOUNDS_US`].
@@ -528,6 +543,7 @@ impl LayerStats {
         self.lookahead_predicted += o.lookahead_predicted;
         self.lookahead_routed += o.lookahead_routed;
         self.lookahead_correct += o.lookahead_correct;
+        self.cpu_computed += o.cpu_computed;
         self.resident += o.resident;
         for (a, b) in self.latency.iter_mut().zip(&o.latency) {
             *a += b;

@@ -93,3 +93,32 @@ fn lookahead_predictions_and_the_forward_split() {
     let d = later.since(&f);
     assert_eq!((d.forwards, d.tokens, d.total_ns, d.experts_ns, d.wait_ns, d.dense_ns()), (1, 1, 500, 100, 100, 300));
 }
+
+/// `absent` says what an acquire would miss now; experts computed on the CPU count as misses
+/// (and `cpu_computed`), per layer and per expert, without touching the cache.
+#[test]
+fn absent_experts_and_cpu_computed_misses() {
+    let (_dir, pool) = pool(3);
+    let lease = pool.acquire(0, &[0, 1]).unwrap();
+    // Loading (not yet waited for) counts as present: an acquire would join that read.
+    assert_eq!(pool.absent(0, &[0, 1, 2]), vec![false, false, true]);
+    lease.wait_all().unwrap();
+    drop(lease);
+    assert_eq!(pool.absent(0, &[2, 1, 0]), vec![true, false, false]);
+    assert_eq!(pool.absent(1, &[0]), vec![true]);
+    pool.record_cpu_computed(0, &[2, 3]);
+    // Nothing was loaded for them.
+    assert_eq!(pool.absent(0, &[2, 3]), vec![true, true]);
+    assert_eq!(pool.resident(0), vec![0, 1]);
+    let s = pool.stats();
+    let l0 = &s.layers[0];
+    assert_eq!((l0.routed, l0.hits, l0.misses, l0.cpu_computed, l0.reads), (4, 0, 4, 2, 2));
+    assert_eq!(s.total.cpu_computed, 2);
+    let e = pool.expert_stats(0).unwrap();
+    assert_eq!((e[2].routed, e[2].misses, e[2].reads), (1, 1, 0));
+    assert_eq!((e[3].routed, e[3].misses), (1, 1));
+    // Out-of-range layers and empty lists are ignored.
+    pool.record_cpu_computed(99, &[0]);
+    pool.record_cpu_computed(1, &[]);
+    assert_eq!(pool.stats().layers[1].routed, 0);
+}

@@ -755,6 +755,13 @@ pub fn prometheus(i: Inputs<'_>) -> String {
         pool,
         |s| s.lookahead_correct as f64,
     );
+    e.per_layer(
+        "cherenkov_expert_cpu_computed_total",
+        "counter",
+        "Misses computed on the CPU instead of read (--cpu-experts).",
+        pool,
+        |s| s.cpu_computed as f64,
+    );
     e.per_layer("cherenkov_expert_resident", "gauge", "Expert records resident (loaded) now.", pool, |s| {
         s.resident as f64
     });

@@ -300,6 +300,7 @@ fn metrics_are_prometheus_text() {
             ("cherenkov_expert_evictions_total", "evictions"),
             ("cherenkov_expert_resident", "resident"),
             ("cherenkov_lookahead_correct_total", "lookahead_correct"),
+            ("cherenkov_expert_cpu_computed_total", "cpu_computed"),
         ] {
             assert_eq!(value(metric, &[("layer", &l)]), u(row, key) as f64, "{metric} layer {l}");
         }
