@@ -38,6 +38,11 @@ SYN=${SYN:-/tmp/cherenkov-flash4}
   echo "## the same with the expert file not pinned (the CPU reads each missing record)"
   $BIN run flash4 "Explain hash collisions." --backend cuda --check --expert-cache $((40 * REC)) --max-tokens 16 --temperature 0 --pin-experts off
   echo
+  echo "## misses computed on the CPU (--cpu-experts): every one (CHERENKOV_CPU_EXPERTS_ALL=1), as the rates choose, every one with the file not pinned"
+  CHERENKOV_CPU_EXPERTS_ALL=1 $BIN run flash4 "Explain hash collisions." --backend cuda --check --expert-cache $((40 * REC)) --max-tokens 16 --temperature 0 --pin-experts on --cpu-experts 4
+  $BIN run flash4 "Explain hash collisions." --backend cuda --check --expert-cache $((40 * REC)) --max-tokens 16 --temperature 0 --pin-experts on --cpu-experts auto
+  CHERENKOV_CPU_EXPERTS_ALL=1 $BIN run flash4 "Explain hash collisions." --backend cuda --check --expert-cache $((40 * REC)) --max-tokens 16 --temperature 0 --pin-experts off --cpu-experts 4
+  echo
   echo "## the deadline cut runs (--cut-weak: not reproducible, so only that it completes)"
   OUTTXT=$($BIN run flash4 "Explain hash collisions." --backend cuda --cut-weak 0.05 --expert-cache $((40 * REC)) --max-tokens 16 --temperature 0 2>/dev/null)
   echo "--cut-weak 0.05: ${#OUTTXT} characters generated"

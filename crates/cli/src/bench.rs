@@ -3,7 +3,8 @@
 //! One run measures: the device and pinned host-to-device bandwidths; decode with every expert
 //! resident (at this depth and half of it); decode with the expert cache a 21 GB budget would
 //! leave the full model (copied from the pinned expert file, read by the CPU from the page cache,
-//! then from a cold cache); hit rates, lookahead accuracy, bytes read per token and
+//! then from a cold cache; and with some misses computed on the CPU, `--cpu-experts`, pinned and
+//! not); hit rates, lookahead accuracy, bytes read per token and
 //! where the time goes; the offline policy study (LRU, LRFU, Belady) on the streamed run's routing
 //! trace; the roofline ratios; and the same shape in transformers' eager implementation. The model
 //! has random weights and skewed synthetic routers (see `cherenkov_engine::routing`); its depth is
@@ -76,10 +77,13 @@ pub struct BenchArgs {
     /// Routing weight below which the last case's deadline cut drops late experts.
     #[arg(long, default_value_t = 0.05)]
     pub cut_weak: f32,
+    /// Threads of the last cases' CPU expert team (`--cpu-experts`; auto: half the cores).
+    #[arg(long, default_value = "auto", value_name = "THREADS")]
+    pub cpu_experts: String,
 }
 
 /// What one case runs: expert slots, the page cache dropped first, graphs, the deadline cut, the
-/// lookahead, the expert file pinned, and the layers a step runs.
+/// lookahead, the expert file pinned, the layers a step runs, and the CPU expert team's threads.
 #[derive(Clone, Copy)]
 struct Spec {
     slots: usize,
@@ -89,6 +93,7 @@ struct Spec {
     lookahead: bool,
     pin: bool,
     depth: usize,
+    cpu: Option<usize>,
 }
 
 /// What one case measured.
@@ -108,6 +113,11 @@ struct Case {
     queue_ms: f64,
     /// Experts the deadline cut dropped per token.
     cut_per_token: f64,
+    /// Misses computed on the CPU per token, the host's wait for them (ms per token), and the
+    /// rates the choice used at the end (copy, CPU; ns per expert).
+    cpu_per_token: f64,
+    cpu_wait_ms: f64,
+    cpu_rates: Option<(u64, u64)>,
     /// Where the timed loads' time went.
     loads: cherenkov_cuda::slots::LoadSplit,
     /// Share of a token's experts the previous token also used (same layer).
@@ -234,7 +244,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     let prompt = prompt_tokens(&store.dir, &tok, None, "Explain hash collisions.", false)?;
     let experts_file = store.dir.join(&store.manifest.experts.file);
     let run_case = |name: &str, spec: Spec| -> Result<Case> {
-        let Spec { slots, cold, graphs, cut, lookahead, pin, depth } = spec;
+        let Spec { slots, cold, graphs, cut, lookahead, pin, depth, cpu } = spec;
         if cold {
             drop_page_cache(&experts_file)?;
         }
@@ -250,6 +260,9 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         model.cut_weak = cut;
         model.lookahead = lookahead;
         model.depth = depth;
+        if let Some(threads) = cpu {
+            model.set_cpu_experts(threads, &|_| {})?;
+        }
         let mut s = model.new_session()?;
         // The trace starts with the prompt, so the policy replays fill their caches as the pool
         // filled its own; only the timed steps are counted.
@@ -293,6 +306,9 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             wait_ms: tm.wait_ns as f64 / 1e6 / n,
             queue_ms: tm.queue_ns as f64 / 1e6 / n,
             cut_per_token: tm.cut as f64 / n,
+            cpu_per_token: tm.cpu_experts as f64 / n,
+            cpu_wait_ms: tm.cpu_wait_ns as f64 / 1e6 / n,
+            cpu_rates: model.cpu_expert_rates(),
             loads: memory.load_split(),
             share: model.skew.as_ref().and_then(|k| k.consecutive_share()),
             warm_steps: warm_trace.len(),
@@ -301,14 +317,23 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     };
     let all = store.manifest.experts.records() as usize;
     let layers = c.num_hidden_layers;
-    let resident =
-        Spec { slots: all, cold: false, graphs: true, cut: None, lookahead: true, pin: false, depth: layers };
+    let resident = Spec {
+        slots: all,
+        cold: false,
+        graphs: true,
+        cut: None,
+        lookahead: true,
+        pin: false,
+        depth: layers,
+        cpu: None,
+    };
     let pinned = Spec { slots: streamed_slots, pin: true, ..resident };
     let g = &args.gpu_memory;
     // Cases: 0 resident, 1 resident without graphs, 2 streamed from the pinned page cache, 3 cold
     // (read by the CPU from the disk), 4 pinned with the deadline cut, 5 pinned without the
     // lookahead (what its reads gain), 6 warm but read by the CPU (what pinning gains), 7 resident
-    // at half the depth (the per-layer extrapolation's second point).
+    // at half the depth (the per-layer extrapolation's second point), then pinned with some misses
+    // computed on the CPU.
     let mut cases = vec![
         run_case("all experts resident", resident)?,
         run_case("all experts resident, no CUDA graphs", Spec { graphs: false, ..resident })?,
@@ -327,6 +352,15 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             Spec { depth: layers / 2, ..resident },
         )?);
     }
+    let cpu_threads = crate::load::cpu_expert_threads(&args.cpu_experts)?;
+    cases.push(run_case(
+        &format!("{g} budget, pinned, --cpu-experts {cpu_threads}"),
+        Spec { cpu: Some(cpu_threads), ..pinned },
+    )?);
+    cases.push(run_case(
+        &format!("{g} budget, read by the CPU (not pinned), --cpu-experts {cpu_threads}"),
+        Spec { cpu: Some(cpu_threads), pin: false, ..pinned },
+    )?);
 
     // Roofline.
     let (_, dense_read) = dense_bytes(&c, store.manifest.mtp_layers);
@@ -338,7 +372,8 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     // Without the second depth (or if noise makes the part per token negative) every millisecond
     // counts as per-layer, which understates the 48-layer speed.
     let ms = |k: &Case| 1e3 / k.tok_s;
-    let per_token_ms = cases.get(7).map_or(0.0, |half| per_token_part(ms(&cases[0]), layers, ms(half), half.depth));
+    let half_depth = cases.iter().find(|k| k.depth != layers);
+    let per_token_ms = half_depth.map_or(0.0, |half| per_token_part(ms(&cases[0]), layers, ms(half), half.depth));
     let per_layer = |k: &Case| tok_s_at_depth(48, per_token_ms, ms(k), k.depth);
 
     // The policy study on the warm streamed run's trace.
@@ -423,7 +458,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     md.push_str("| case | expert slots | tok/s | 48-layer tok/s (per-layer extrapolation) | hit rate | lookahead accuracy | read per token | dense ms/tok | experts ms/tok | waiting ms/tok | host queueing ms/tok | vs roofline / PCIe bound |\n");
     md.push_str("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
     for (i, k) in cases.iter().enumerate() {
-        let ratio = if i == 7 {
+        let ratio = if k.depth != layers {
             "(the extrapolation's second depth)".to_string()
         } else if i < 2 {
             format!("{:.1}% of HBM roofline", 100.0 * k.tok_s / roofline)
@@ -450,7 +485,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     }
     md.push_str(&format!(
         "\n48-layer figures: {}. The streamed cases' 48-layer bounds scale the same way; the pinned cases pin this model's {} expert file; `--pin-experts auto` pins an expert file that fits in the available memory with a quarter of the host's memory to spare, and on this host it {} the 48-layer model's {}.\n",
-        match cases.get(7) {
+        match half_depth {
             Some(half) => format!(
                 "a step is {:.3} ms per token (embedding, final mixer, lm_head, candidates, the host) plus each case's time per layer beyond that; the resident case gives {:.3} ms per layer from its {} and {} layer runs ({:.3} and {:.3} ms per token)",
                 per_token_ms,
@@ -506,6 +541,20 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         "\nThe deadline cut (`--cut-weak {}`: read experts of routing weight below that, still being read when the resident experts are done, are dropped) dropped {:.2} experts per token; its output depends on read timing and is not reproducible.\n",
         args.cut_weak, cases[4].cut_per_token
     ));
+    md.push_str(&format!(
+        "\nExperts computed on the CPU (`--cpu-experts {cpu_threads}`: per block, as many of the misses of lowest routing weight as end the block soonest at the measured rates; not reproducible):\n\n| case | computed on the CPU per token | host wait for them ms/tok | an expert on the CPU (median of the last jobs) | a lone miss's load (measured at start) |\n| --- | --- | --- | --- | --- |\n"
+    ));
+    for k in cases.iter().filter(|k| k.cpu_rates.is_some()) {
+        let r = k.cpu_rates.expect("filtered");
+        md.push_str(&format!(
+            "| {} | {:.2} | {:.3} | {:.3} ms | {:.3} ms |\n",
+            k.name,
+            k.cpu_per_token,
+            k.cpu_wait_ms,
+            r.1 as f64 / 1e6,
+            r.0 as f64 / 1e6
+        ));
+    }
     if let Some(p) = &peer {
         let tps = p["tokens_per_s"].as_f64().unwrap_or(0.0);
         md.push_str(&format!(
@@ -523,7 +572,8 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     let cases_json: Vec<_> = cases
         .iter()
         .map(|k| json!({"case": k.name, "slots": k.slots, "depth": k.depth, "tok_s": k.tok_s, "tok_s_48_layers": per_layer(k), "loads": k.loads.loads, "loads_from_pinned_file": k.loads.direct, "hit_rate": k.hit_rate, "lookahead_accuracy": k.lookahead,
-                        "bytes_per_token": k.bytes_per_token, "dense_ms": k.dense_ms, "experts_ms": k.experts_ms, "wait_ms": k.wait_ms, "queue_ms": k.queue_ms, "cut_per_token": k.cut_per_token}))
+                        "bytes_per_token": k.bytes_per_token, "dense_ms": k.dense_ms, "experts_ms": k.experts_ms, "wait_ms": k.wait_ms, "queue_ms": k.queue_ms, "cut_per_token": k.cut_per_token,
+                        "cpu_experts_per_token": k.cpu_per_token, "cpu_wait_ms": k.cpu_wait_ms, "cpu_expert_ns": k.cpu_rates.map(|r| r.1), "lone_copy_ns": k.cpu_rates.map(|r| r.0)}))
         .collect();
     let j = json!({"date": date, "gpu": gpu.info.name, "device_bw": bw.device, "h2d_bw": bw.host_to_device, "layers": c.num_hidden_layers,
                    "experts": c.num_experts, "skew": skew, "roofline_tok_s": roofline, "per_token_ms": per_token_ms, "cases": cases_json,

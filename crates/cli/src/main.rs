@@ -105,7 +105,8 @@ enum Command {
             shape (random weights, skewed synthetic routers) at --layers depth: every expert resident (also at half \
             the depth, to split per-token from per-layer time for the 48-layer figures); the expert cache a \
             --gpu-memory budget leaves the full 48-layer model, with the expert file pinned in the page cache, read \
-            by the CPU, and cold, with the deadline cut, and without the lookahead; hit rates, lookahead accuracy, \
+            by the CPU, and cold, with the deadline cut, without the lookahead, and with misses computed on the CPU \
+            (--cpu-experts, pinned and not); hit rates, lookahead accuracy, \
             bytes read per token, the time split, per-load read and copy times, the offline cache-policy study (LRU, \
             LRFU, Belady, replayed from the prompt on so they start as warm as the pool did) on the routing trace, \
             the roofline ratios, and transformers' eager qwen4_exp on the same shape. Results go to --out as \

@@ -7,6 +7,8 @@
 //! - [`gpu`]: probe, context, module, memory, launches.
 //! - [`weights`]: `dense.bin` on the device, bound to the model's tensors.
 //! - [`slots`]: device expert slots behind the shared residency manager.
+//! - [`pinned`]: the store's expert file pinned for the copy engine.
+//! - [`offload`]: which misses the CPU computes instead of copying (`--cpu-experts`).
 //! - [`session`]: a sequence's decode state in device memory.
 //! - [`model`]: the forward and the [`cherenkov_engine::backend::Backend`] implementation.
 
@@ -14,6 +16,7 @@ pub mod check;
 pub mod compile;
 pub mod gpu;
 pub mod model;
+pub mod offload;
 pub mod pinned;
 pub mod session;
 pub mod slots;

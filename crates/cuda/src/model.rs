@@ -75,6 +75,10 @@ pub struct StepTiming {
     pub queue_ns: u64,
     /// Experts dropped by the deadline cut (`--cut-weak`).
     pub cut: u64,
+    /// Misses computed on the CPU (`--cpu-experts`), and the host's wait for them after queueing
+    /// everything else of their block, ns.
+    pub cpu_experts: u64,
+    pub cpu_wait_ns: u64,
 }
 
 impl StepTiming {
@@ -142,6 +146,10 @@ pub(crate) struct MoeBufs {
     bias_host: Pinned,
     /// PLE rows gathered on the host `[decoder layer, ple_embed_dim]`.
     ple_host: Pinned,
+    /// The MoE input as the host sees it `[l, hidden]`, and the outputs of the experts computed
+    /// on the CPU `[l, k, hidden]` (`--cpu-experts`; empty without).
+    x_host: Pinned,
+    cpu_out: Pinned,
     /// Expert address per (layer, expert) `[l, E]` when every expert is resident.
     map: Option<DevBuf>,
     /// Whether residency was decided (the first step decides).
@@ -167,6 +175,9 @@ pub(crate) struct MoeStep<'p> {
     queued_ns: Option<u64>,
     /// Experts dropped by the deadline cut.
     cut: u64,
+    /// Experts computed on the CPU, and the host's wait for them (ns).
+    cpu_experts: u64,
+    cpu_wait_ns: u64,
     /// The combination also injects the block's output into the residual streams (steps; the
     /// block checks read the output alone).
     inject: bool,
@@ -187,6 +198,8 @@ impl MoeStep<'_> {
             queued_ns: None,
             untimed: false,
             cut: 0,
+            cpu_experts: 0,
+            cpu_wait_ns: 0,
             inject: false,
         }
     }
@@ -205,6 +218,9 @@ pub struct CudaModel {
     pub cut_weak: Option<f32>,
     /// Replay steps that never wait for the host (every expert resident) as CUDA graphs.
     pub graphs: bool,
+    /// Compute some misses on the CPU instead of copying them (`--cpu-experts`; see
+    /// [`crate::offload`]); set with [`CudaModel::set_cpu_experts`].
+    cpu_experts: Option<crate::offload::CpuExperts>,
     /// Decoder layers a step runs: every layer, except in the bench, which also times a shallower
     /// step of the same weights to tell the time per layer from the time per token (lm_head,
     /// sampling). A shallower step's outputs are not the model's.
@@ -224,10 +240,19 @@ fn f32s(n: usize) -> usize {
     n.max(1) * 4
 }
 
+/// [`MoeBufs`]' host buffers of the experts computed on the CPU: the MoE inputs `[l, hidden]` and
+/// the outputs `[l, k, hidden]` (a byte each when `on` is false).
+fn cpu_expert_bufs(gpu: &Gpu, c: &TextConfig, layers: usize, on: bool) -> Result<(Pinned, Pinned)> {
+    let (l, k, h) = (layers.max(1), c.num_experts_per_tok.max(1), f32s(c.hidden_size));
+    let what = "experts computed on the CPU";
+    Ok((gpu.pinned(if on { l * h } else { 1 }, what)?, gpu.pinned(if on { l * k * h } else { 1 }, what)?))
+}
+
 impl MoeBufs {
-    fn new(gpu: &Gpu, c: &TextConfig, layers: usize) -> Result<MoeBufs> {
+    fn new(gpu: &Gpu, c: &TextConfig, layers: usize, cpu_experts: bool) -> Result<MoeBufs> {
         let (l, k, e) = (layers.max(1), c.num_experts_per_tok.max(1), c.num_experts.max(1));
         let what = "the routing tables";
+        let cpu_bufs = cpu_expert_bufs(gpu, c, layers, cpu_experts)?;
         let events = (0..l)
             .map(|_| {
                 Ok([
@@ -255,6 +280,8 @@ impl MoeBufs {
             bias: gpu.zeros(l * 2 * e * 4, what)?,
             bias_host: gpu.pinned(l * 2 * e * 4, what)?,
             ple_host: gpu.pinned(f32s(c.num_hidden_layers * c.ple_embed_dim), "the PLE rows")?,
+            x_host: cpu_bufs.0,
+            cpu_out: cpu_bufs.1,
             map: None,
             decided: false,
             events,
@@ -325,7 +352,7 @@ impl CudaModel {
             scores: z(f32s(c.num_attention_heads * 4096), "attention scores")?,
             idx: z(4 * 4096, "attention token lists")?,
             logits: z(f32s(c.vocab_size), "logits")?,
-            moe: MoeBufs::new(&gpu, &c, store.manifest.experts.layers.len())?,
+            moe: MoeBufs::new(&gpu, &c, store.manifest.experts.layers.len(), false)?,
             step_in: z(16, "the step inputs")?,
             step_host: gpu.pinned(16, "the step inputs")?,
         };
@@ -338,6 +365,7 @@ impl CudaModel {
             skew: None,
             lookahead: true,
             cut_weak: None,
+            cpu_experts: None,
             graphs: std::env::var_os("CHERENKOV_NO_GRAPHS").is_none(),
             depth: c.num_hidden_layers,
             graph: Mutex::new(Vec::new()),
@@ -352,6 +380,28 @@ impl CudaModel {
 
     pub fn config(&self) -> &TextConfig {
         self.store.config()
+    }
+
+    /// Computes misses on the CPU from now on when that ends a block sooner (see
+    /// [`crate::offload`]), with `threads` threads; the deadline cut must be off (the two would
+    /// reorder one table). Without a pinned expert file every record is checked first
+    /// (`progress(bytes checked)`).
+    pub fn set_cpu_experts(&mut self, threads: usize, progress: &(dyn Fn(u64) + Sync)) -> Result<()> {
+        if self.cut_weak.is_some() {
+            bail!("--cpu-experts and --cut-weak cannot be combined");
+        }
+        let cx = crate::offload::CpuExperts::new(&self.pool, threads, progress)?;
+        let c = self.config().clone();
+        let sc = self.scratch.get_mut().unwrap_or_else(|e| e.into_inner());
+        let layers = self.store.manifest.experts.layers.len();
+        (sc.moe.x_host, sc.moe.cpu_out) = cpu_expert_bufs(&self.gpu, &c, layers, true)?;
+        self.cpu_experts = Some(cx);
+        Ok(())
+    }
+
+    /// The copy and CPU rates `--cpu-experts` chooses by (ns per expert), if it is on.
+    pub fn cpu_expert_rates(&self) -> Option<(u64, u64)> {
+        self.cpu_experts.as_ref().map(|cx| (cx.copy_ns, cx.cpu_ns()))
     }
 
     pub fn timing(&self) -> StepTiming {
@@ -621,6 +671,8 @@ impl CudaModel {
             t.experts_ns += experts_ns;
             t.queue_ns += queue_ns;
             t.cut += st.cut;
+            t.cpu_experts += st.cpu_experts;
+            t.cpu_wait_ns += st.cpu_wait_ns;
         });
         Ok(())
     }
@@ -1108,6 +1160,10 @@ impl CudaModel {
         )?;
         let ev = &mb.events[l];
         if !resident {
+            if self.cpu_experts.is_some() {
+                // The block's input, for experts the CPU may compute.
+                g.download(&mb.x_host, l * h * 4, sc.inp.ptr, h * 4)?;
+            }
             if self.cut_weak.is_some() {
                 // The routing weights too, for the deadline cut.
                 g.download(&mb.weights_host, l * k * 4, weights, k * 4)?;
@@ -1168,6 +1224,10 @@ impl CudaModel {
             return Ok(());
         }
 
+        // The CPU team spins while blocks come, ready for a job (`--cpu-experts`).
+        if let Some(cx) = &self.cpu_experts {
+            cx.team.keep_warm();
+        }
         // 1. Router ready.
         ev[0].wait()?;
         // Every kernel queued before this router has finished, those of the previous lease too.
@@ -1175,20 +1235,50 @@ impl CudaModel {
         // SAFETY: the router kernel that wrote these has finished (ev[0]); nothing writes them now.
         let experts: Vec<usize> =
             unsafe { mb.ids_host.as_slice::<i32>() }[l * k..(l + 1) * k].iter().map(|&i| i as usize).collect();
+        let mem = self.pool.memory();
+        // Misses the CPU computes (`--cpu-experts`): those of lowest routing weight, as many as end
+        // the block soonest at the measured rates; their job starts now, before the lease.
+        let (cpu_ranks, gpu_ranks) = self.split_for_cpu(l, &experts);
+        let mut cpu_job = match (&self.cpu_experts, cpu_ranks.is_empty()) {
+            (Some(cx), false) => {
+                // SAFETY: the download of the block's input finished before ev[0], which was
+                // waited for; the next write of this row is the next step's, after this job.
+                let x = unsafe { &mb.x_host.as_slice::<f32>()[l * h..(l + 1) * h] };
+                let jobs = cpu_ranks
+                    .iter()
+                    .map(|&r| {
+                        let rec = cx.record(&self.store, mem, l, experts[r])?;
+                        let matrices = cherenkov_cpu::expert::ExpertMatrices::from_record(rec, layout)?;
+                        Ok(cherenkov_cpu::team::JobExpert { matrices, x })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Some(cx.team.submit(&jobs))
+            }
+            _ => None,
+        };
+        let gpu_experts: Vec<usize> = gpu_ranks.iter().map(|&r| experts[r]).collect();
         // 2. Lease (misses are queued first). Copies from a pinned expert file only need queueing:
         // this thread queues them at once, and no IO thread is woken for them.
-        let mem = self.pool.memory();
         let background = mem.copies_in_background();
-        let lease =
-            if background { self.pool.acquire_loading(l, &experts)? } else { self.pool.acquire(l, &experts)? };
+        let lease = if background {
+            self.pool.acquire_loading(l, &gpu_experts)?
+        } else {
+            self.pool.acquire(l, &gpu_experts)?
+        };
+        if !cpu_ranks.is_empty() {
+            let ids: Vec<usize> = cpu_ranks.iter().map(|&r| experts[r]).collect();
+            self.pool.record_cpu_computed(l, &ids);
+        }
         let entries = lease.entries();
-        // Table order: resident first, then the rest, each by routing weight (experts arrive sorted).
-        let mut order: Vec<usize> = (0..entries.len()).filter(|&i| entries[i].hit).collect();
+        let n_gpu = entries.len();
+        // Table order: resident first, then the rest, each by routing weight (experts arrive sorted);
+        // the experts computed on the CPU last.
+        let mut order: Vec<usize> = (0..n_gpu).filter(|&i| entries[i].hit).collect();
         let hits = order.len();
-        order.extend((0..entries.len()).filter(|&i| !entries[i].hit));
+        order.extend((0..n_gpu).filter(|&i| !entries[i].hit));
         // SAFETY: the stream has passed this layer's previous use of its table rows (ev[0] follows
         // the previous step's end), so no copy reads them while they are written.
-        unsafe { self.write_table(mb, l, &lease, &order, k)? };
+        unsafe { self.write_entries(mb, l, &lease, &gpu_ranks, &order, n_gpu, &cpu_ranks)? };
         // 3. The resident experts' kernels run while the reads finish (a resident record may be a
         // prefetch whose copy is still running: the stream waits for it).
         for &i in &order[..hits] {
@@ -1203,11 +1293,11 @@ impl CudaModel {
         }
         self.look_ahead(mb, l, &experts, ahead_of)?;
         // 4. Reads done: the read experts, then the combination.
-        if hits < k {
+        if hits < n_gpu {
             let tw = std::time::Instant::now();
             let kept = match self.cut_weak {
                 Some(w) => self.cut_at_deadline(mb, l, &lease, &order, hits, &ev[2], w)?,
-                None => k,
+                None => n_gpu,
             };
             // With copies in the background the host only waits for them to be queued; the stream
             // waits for the copies themselves.
@@ -1215,7 +1305,7 @@ impl CudaModel {
                 lease.wait(i)?;
                 mem.await_slot(entries[i].slot)?;
             }
-            st.cut += (k - kept) as u64;
+            st.cut += (n_gpu - kept) as u64;
             if background {
                 st.gpu_waited.push(l);
             } else {
@@ -1229,14 +1319,45 @@ impl CudaModel {
                 // Nothing left to time: an empty interval.
                 g.record(&ev[3])?;
             }
+            if cpu_job.is_some() {
+                // The read experts' end, before the stream waits for the CPU's outputs.
+                g.record(&ev[4])?;
+            }
         }
+        // The experts computed on the CPU: their outputs into their table entries' rows.
+        if let Some(job) = cpu_job.as_mut() {
+            let tw = std::time::Instant::now();
+            let out = job.wait();
+            st.cpu_wait_ns += tw.elapsed().as_nanos() as u64;
+            st.cpu_experts += cpu_ranks.len() as u64;
+            let at = l * k * h;
+            // SAFETY: this layer's rows of cpu_out were last uploaded by the previous step, which
+            // ended with a stream sync; nothing reads them now.
+            unsafe { mb.cpu_out.as_mut_slice::<f32>()[at..at + out.len()].copy_from_slice(out) };
+            g.upload(sc.eout.at(n_gpu * h * 4), &mb.cpu_out, at * 4, out.len() * 4)?;
+        }
+        drop(cpu_job);
         combine(g)?;
-        if hits < k {
+        if hits < n_gpu && cpu_ranks.is_empty() {
             g.record(&ev[4])?;
         }
         // The slots stay leased until a later event shows these kernels finished.
         st.pending = Some(lease);
         Ok(())
+    }
+
+    /// Splits a block's top-k ranks into those the CPU computes (`--cpu-experts`: misses of lowest
+    /// routing weight, as many as [`crate::offload::cpu_share`] gives) and those the GPU computes
+    /// (in rank order). Without `--cpu-experts`, every rank is the GPU's.
+    fn split_for_cpu(&self, l: usize, experts: &[usize]) -> (Vec<usize>, Vec<usize>) {
+        let all: Vec<usize> = (0..experts.len()).collect();
+        let Some(cx) = &self.cpu_experts else { return (Vec::new(), all) };
+        let absent = self.pool.absent(l, experts);
+        let misses: Vec<usize> = all.iter().copied().filter(|&r| absent[r]).collect();
+        let n = cx.share(misses.len());
+        let cpu = misses[misses.len() - n..].to_vec();
+        let gpu = all.into_iter().filter(|r| !cpu.contains(r)).collect();
+        (cpu, gpu)
     }
 
     /// Writes the synthetic routers' bias for MoE layer `l` (`which`: 0 routing, 1 predicting) into
@@ -1321,13 +1442,11 @@ impl CudaModel {
         Ok(kept)
     }
 
-    /// Writes MoE layer `l`'s address table (the lease's entries in `order`) and, per top-k rank,
-    /// its table entry into pinned memory, and queues their upload. Ranks whose entry comes at or
-    /// after `kept` (dropped by the deadline cut) point at entry k, whose output row is zero.
-    /// Lease entries are in rank order (the router's order).
+    /// [`CudaModel::write_entries`] for a lease of the whole top-k (lease entry i is rank i) and
+    /// no expert computed on the CPU.
     ///
     /// # Safety
-    /// No queued copy may still be reading layer `l`'s rows of the pinned tables.
+    /// As for [`CudaModel::write_entries`].
     unsafe fn write_table(
         &self,
         mb: &MoeBufs,
@@ -1336,7 +1455,32 @@ impl CudaModel {
         order: &[usize],
         kept: usize,
     ) -> Result<()> {
-        let k = order.len();
+        let ranks: Vec<usize> = (0..lease.len()).collect();
+        // SAFETY: the caller's guarantee.
+        unsafe { self.write_entries(mb, l, lease, &ranks, order, kept, &[]) }
+    }
+
+    /// Writes MoE layer `l`'s address table and, per top-k rank, its table entry into pinned
+    /// memory, and queues their upload. The table holds the lease's entries in `order` (lease entry
+    /// i serves top-k rank `rank_of[i]`), then one entry per rank of `cpu_ranks` (computed on the
+    /// CPU: no address; their outputs are uploaded into those entries' rows). Ranks whose entry
+    /// comes at or after `kept` among the lease's (dropped by the deadline cut) point at entry k,
+    /// whose output row is zero.
+    ///
+    /// # Safety
+    /// No queued copy may still be reading layer `l`'s rows of the pinned tables.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn write_entries(
+        &self,
+        mb: &MoeBufs,
+        l: usize,
+        lease: &Lease<'_, DeviceSlots>,
+        rank_of: &[usize],
+        order: &[usize],
+        kept: usize,
+        cpu_ranks: &[usize],
+    ) -> Result<()> {
+        let k = self.config().num_experts_per_tok;
         let entries = lease.entries();
         let tag = layer_tag(&self.store.manifest.experts.layers[l]);
         let mem = self.pool.memory();
@@ -1347,12 +1491,17 @@ impl CudaModel {
                 &mut mb.ranks_host.as_mut_slice::<i32>()[l * k..(l + 1) * k],
             )
         };
-        for (slot, &i) in t.iter_mut().zip(order) {
-            *slot = mem.slot_ptr(entries[i].slot) | tag;
+        r.fill(-1);
+        for (p, &i) in order.iter().enumerate() {
+            t[p] = mem.slot_ptr(entries[i].slot) | tag;
+            r[rank_of[i]] = if p < kept { p as i32 } else { k as i32 };
         }
-        for (rank, entry) in r.iter_mut().enumerate() {
-            let at = order.iter().position(|&i| i == rank).expect("every rank has an entry");
-            *entry = if at < kept { at as i32 } else { k as i32 };
+        for (j, &rank) in cpu_ranks.iter().enumerate() {
+            t[order.len() + j] = 0;
+            r[rank] = (order.len() + j) as i32;
+        }
+        if let Some(rank) = r.iter().position(|&e| e < 0) {
+            bail!("MoE layer {l}: top-k rank {rank} has no table entry (an engine bug)");
         }
         self.gpu.upload(mb.tables.at(l * k * 8), &mb.tables_host, l * k * 8, k * 8)?;
         self.gpu.upload(mb.ranks.at(l * k * 4), &mb.ranks_host, l * k * 4, k * 4)

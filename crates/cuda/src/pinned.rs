@@ -134,7 +134,7 @@ fn within_one(chunks: &[(usize, usize)], start: usize, end: usize) -> bool {
 }
 
 /// Reads record `idx` of the store through its checksums (each piece, or the whole record).
-fn check_record(store: &Store, idx: usize) -> Result<()> {
+pub(crate) fn check_record(store: &Store, idx: usize) -> Result<()> {
     let ef = &store.manifest.experts;
     let (slot, expert) = (idx / ef.num_experts, idx % ef.num_experts);
     thread_local! {

@@ -276,6 +276,78 @@ impl DeviceSlots {
         self.pinned.as_ref().map_or(0, PinnedExperts::bytes)
     }
 
+    /// The record at byte `offset` of store `dir`'s expert file in host memory, if that file is
+    /// pinned here (the CPU computes experts from these bytes: `--cpu-experts`).
+    pub fn host_record(&self, dir: &std::path::Path, offset: u64) -> Option<&[u8]> {
+        self.pinned.as_ref()?.record(dir, offset, self.record_bytes)
+    }
+
+    /// Measures how long one record takes to copy from the pinned expert file to the GPU with
+    /// nothing else copying: the median of 5 copies of `src` (a pinned record) into a scratch
+    /// buffer, timed by GPU events, in ns. What a miss's copy costs when it has the link alone.
+    pub fn lone_copy_ns(&self, src: &[u8]) -> Result<u64> {
+        self.gpu.bind()?;
+        let scratch = self.gpu.alloc(src.len(), "measuring an expert copy")?;
+        let staging = self.take_staging()?;
+        let mut times = Vec::with_capacity(5);
+        let result = (|| -> Result<()> {
+            for _ in 0..5 {
+                // SAFETY: scratch holds src.len() bytes; src is registered host memory; the events
+                // and stream belong to this context, and the stream is synchronised before reuse.
+                unsafe {
+                    cu::event::record(staging.start, staging.stream)
+                        .map_err(|e| anyhow!("cannot record an event: {e}"))?;
+                    cu::memcpy_htod_async(scratch.ptr, src, staging.stream)
+                        .map_err(|e| anyhow!("copy of an expert record to the GPU failed: {e}"))?;
+                    cu::event::record(staging.end, staging.stream)
+                        .map_err(|e| anyhow!("cannot record an event: {e}"))?;
+                    cu::stream::synchronize(staging.stream)
+                        .map_err(|e| anyhow!("copy of an expert record to the GPU failed: {e}"))?;
+                    let ms = cu::event::elapsed(staging.start, staging.end)
+                        .map_err(|e| anyhow!("cannot time an expert copy: {e}"))?;
+                    times.push((ms as f64 * 1e6) as u64);
+                }
+            }
+            Ok(())
+        })();
+        self.staging.lock().unwrap().push(staging);
+        result?;
+        times.sort_unstable();
+        Ok(times[times.len() / 2].max(1))
+    }
+
+    /// Measures what one miss costs when the expert file is not pinned: the record read by the CPU
+    /// into pinned memory ([`stage_record`]) and copied to the GPU, with nothing else loading; the
+    /// median of 5 loads of `record` into a scratch buffer, wall time, in ns.
+    pub fn lone_load_ns(&self, record: &dyn RecordSource) -> Result<u64> {
+        self.gpu.bind()?;
+        let scratch = self.gpu.alloc(self.record_bytes, "measuring an expert load")?;
+        let staging = self.take_staging()?;
+        let mut times = Vec::with_capacity(5);
+        let result = (|| -> Result<()> {
+            for _ in 0..5 {
+                let t = Instant::now();
+                // SAFETY: the pinned buffer is record_bytes, owned by this call until returned below.
+                let host = unsafe { std::slice::from_raw_parts_mut(staging.pinned.ptr, staging.pinned.len) };
+                stage_record(record, host)?;
+                // SAFETY: scratch holds record_bytes; the stream is synchronised before the buffer
+                // is written again.
+                unsafe {
+                    cu::memcpy_htod_async(scratch.ptr, &*host, staging.stream)
+                        .map_err(|e| anyhow!("copy of an expert record to the GPU failed: {e}"))?;
+                    cu::stream::synchronize(staging.stream)
+                        .map_err(|e| anyhow!("copy of an expert record to the GPU failed: {e}"))?;
+                }
+                times.push(t.elapsed().as_nanos() as u64);
+            }
+            Ok(())
+        })();
+        self.staging.lock().unwrap().push(staging);
+        result?;
+        times.sort_unstable();
+        Ok(times[times.len() / 2].max(1))
+    }
+
     /// Where the loads' time went so far.
     pub fn load_split(&self) -> LoadSplit {
         let g = |i: usize| self.split[i].load(Ordering::Relaxed);
