@@ -614,14 +614,22 @@ pub fn block_checks(cuda: &CudaModel, cpu: &CpuModel, rng: &mut Rng, label: &str
     let logits = read(sc.logits.ptr, lm.rows())?;
     push("final mixer + lm_head".into(), rel_err(&logits, &want), BLOCK_LIMIT);
     // Candidate selection on the device: exactly the host's choice from the same logits.
-    for k in [1, 40] {
-        g.htod(sc.logits.ptr, &logits)?;
+    // Also with many ties (logits rounded to steps of 2, every 5th -inf): the lower id goes first.
+    // No -0: the host orders it below +0 (`total_cmp`), the device counts them equal.
+    let tied: Vec<f32> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| if i % 5 == 0 { f32::NEG_INFINITY } else { (l / 2.0).round() * 2.0 + 0.0 })
+        .collect();
+    for (k, row, what) in [(1, &logits, ""), (40, &logits, ""), (64, &tied, ", tied"), (100, &tied, ", tied")] {
+        g.htod(sc.logits.ptr, row)?;
         // Ids from 7 on only, as a tokenizer smaller than the embedding would ask.
         let among = c.vocab_size - 7;
         let got = cuda.top_candidates(&sc, k, among)?;
-        let expected = cherenkov_engine::backend::top_of(&logits[..among], k);
-        let wrong = got.iter().zip(&expected).filter(|(a, b)| a.0 != b.0 || a.1.to_bits() != b.1.to_bits()).count();
-        push(format!("top-{k} candidates (fraction not identical to the host's)"), wrong as f64 / k as f64, 0.0);
+        let expected = cherenkov_engine::backend::top_of(&row[..among], k);
+        let wrong = got.iter().zip(&expected).filter(|(a, b)| a.0 != b.0 || a.1.to_bits() != b.1.to_bits()).count()
+            + k.saturating_sub(expected.len().min(got.len()));
+        push(format!("top-{k} candidates{what} (fraction not identical to the host's)"), wrong as f64 / k as f64, 0.0);
     }
     // Embedding rows.
     let embed = cw.embed_tokens.lin(store);
