@@ -250,8 +250,13 @@ impl Dash {
             n(&pc, "hits"),
             n(&pc, "lookups"),
         );
+        // Misses computed on the CPU (`--cpu-experts`), only when there are any.
+        let cpu = match total.get("cpu_computed").and_then(Value::as_u64) {
+            Some(c) if c > 0 => format!(" | {c} computed on the CPU"),
+            _ => String::new(),
+        };
         let line2 = format!(
-            "experts: hit {} of {} routed | {} reads, {} | read mean {} | waited {} | {} evictions | lookahead {}",
+            "experts: hit {} of {} routed | {} reads, {} | read mean {} | waited {} | {} evictions | lookahead {}{cpu}",
             pct(float(&total, "hit_rate")),
             n(&total, "routed"),
             n(&total, "reads"),
@@ -472,6 +477,17 @@ mod tests {
                 "experts": [{"expert": 0, "state": "resident", "routed": 4}, {"expert": 1, "state": "absent", "routed": 0}]}),
         };
         Fetched::Data { summary, table, view }
+    }
+
+    #[test]
+    fn misses_computed_on_the_cpu_show_only_when_there_are_some() {
+        let text = |cpu: u64| {
+            let mut d = Dash::new("http://127.0.0.1:1");
+            d.summary = Some(json!({"expert_cache": {"total": {"hit_rate": 0.5, "routed": 20, "cpu_computed": cpu}}}));
+            d.summary_lines().iter().map(|l| l.to_string()).collect::<Vec<_>>().join("\n")
+        };
+        assert!(text(3).contains("| 3 computed on the CPU"), "{}", text(3));
+        assert!(!text(0).contains("CPU"), "{}", text(0));
     }
 
     #[test]
