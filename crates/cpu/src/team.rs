@@ -16,7 +16,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 
 use crate::expert::ExpertMatrices;
 
@@ -52,6 +52,10 @@ struct Work {
     /// the last chunk: the submitter may come to wait much later).
     start: Instant,
     took_ns: AtomicU64,
+    /// A thread panicked in a chunk (the job can never complete), and the threads inside
+    /// [`Work::help`] now (the submitter waits for none before it lets the borrows go).
+    failed: AtomicBool,
+    inside: AtomicUsize,
 }
 
 impl Work {
@@ -63,11 +67,27 @@ impl Work {
         self.experts.len() * self.hidden.div_ceil(DOWN_ROWS)
     }
 
-    /// Takes chunks until none is left; returns whether the job is complete.
+    /// Takes chunks until none is left (or the job failed); returns whether the job is complete.
     fn help(&self) -> bool {
+        self.inside.fetch_add(1, Ordering::AcqRel);
+        // Left inside on unwinding too (the worker marks the job failed).
+        struct Leave<'a>(&'a AtomicUsize);
+        impl Drop for Leave<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+        let _leave = Leave(&self.inside);
+        self.take_chunks()
+    }
+
+    fn take_chunks(&self) -> bool {
         let (uc, dc) = (self.up_chunks(), self.down_chunks());
         let per_up = self.inter.div_ceil(GATE_UP_ROWS);
         loop {
+            if self.failed.load(Ordering::Acquire) {
+                return false;
+            }
             let c = self.next_up.fetch_add(1, Ordering::Relaxed);
             if c >= uc {
                 break;
@@ -83,6 +103,9 @@ impl Work {
         let per_down = self.hidden.div_ceil(DOWN_ROWS);
         let mut spins = 0u32;
         loop {
+            if self.failed.load(Ordering::Acquire) {
+                return false;
+            }
             let c = self.next_down.load(Ordering::Relaxed);
             if c >= dc {
                 return self.done_down.load(Ordering::Acquire) == dc;
@@ -251,6 +274,8 @@ impl ExpertTeam {
             asums: (0..n).map(|_| Mutex::new(None)).collect(),
             start,
             took_ns: AtomicU64::new(0),
+            failed: AtomicBool::new(false),
+            inside: AtomicUsize::new(0),
         });
         {
             let mut j = self.shared.job.lock().unwrap_or_else(|p| p.into_inner());
@@ -267,11 +292,15 @@ impl ExpertTeam {
 
 impl Job<'_> {
     /// Helps until the job is complete; returns the outputs, `hidden` values per expert in the
-    /// order submitted.
-    pub fn wait(&mut self) -> &[f32] {
+    /// order submitted. Fails if a thread panicked computing it (after every thread has left it).
+    pub fn wait(&mut self) -> Result<&[f32]> {
         if !self.done {
             let mut spins = 0u32;
             while !self.work.help() && !self.work.complete() {
+                if self.work.failed.load(Ordering::Acquire) {
+                    self.settle();
+                    bail!("a CPU expert thread panicked computing a job (an engine bug)");
+                }
                 spin(&mut spins);
             }
             self.done = true;
@@ -292,7 +321,16 @@ impl Job<'_> {
             sorted.sort_unstable();
             sh.ns_per_expert.store(sorted[sorted.len() / 2], Ordering::Relaxed);
         }
-        &self.work.out
+        Ok(&self.work.out)
+    }
+
+    /// Waits until no thread is inside the job (they leave a failed job at their next chunk).
+    fn settle(&mut self) {
+        let mut spins = 0u32;
+        while self.work.inside.load(Ordering::Acquire) > 0 {
+            spin(&mut spins);
+        }
+        self.done = true;
     }
 
     /// Whether the job is complete (without helping).
@@ -303,7 +341,17 @@ impl Job<'_> {
 
 impl Drop for Job<'_> {
     fn drop(&mut self) {
-        self.wait();
+        if self.done {
+            return;
+        }
+        if std::thread::panicking() {
+            // The submitter panicked (perhaps inside a chunk): the job cannot complete; the other
+            // threads leave it, and only then do its borrows go.
+            self.work.failed.store(true, Ordering::Release);
+            self.settle();
+        } else {
+            let _ = self.wait();
+        }
     }
 }
 
@@ -342,8 +390,10 @@ fn worker(shared: &Shared) {
             seen = j.0;
             j.1.clone()
         };
-        if let Some(w) = work {
-            w.help();
+        if let Some(w) = work
+            && std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.help())).is_err()
+        {
+            w.failed.store(true, Ordering::Release);
         }
     }
 }
@@ -403,7 +453,7 @@ mod tests {
                 let n = 1 + round % 3;
                 let jobs: Vec<JobExpert> = (0..n).map(|e| JobExpert { matrices: experts[e], x: &xs[e] }).collect();
                 let mut job = team.submit(&jobs);
-                let got = job.wait().to_vec();
+                let got = job.wait().unwrap().to_vec();
                 for e in 0..n {
                     assert_eq!(got[e * h..(e + 1) * h], experts[e].forward(&xs[e])[..], "round {round} expert {e}");
                 }
@@ -414,7 +464,41 @@ mod tests {
             team.keep_warm();
             team.keep_warm();
             let mut job = team.submit(&[JobExpert { matrices: experts[0], x: &xs[0] }]);
-            assert_eq!(job.wait()[..], experts[0].forward(&xs[0])[..]);
+            assert_eq!(job.wait().unwrap()[..], experts[0].forward(&xs[0])[..]);
+        }
+    }
+
+    /// A chunk that panics (here: an input shorter than the matrices) fails the job, on a team
+    /// thread (an error) or on the submitter (its panic) — it never hangs — and the team then
+    /// computes the next job.
+    #[test]
+    fn a_panicking_chunk_fails_the_job_and_the_team_goes_on() {
+        let (i, h) = (64, 128);
+        let fmt = Affine::new(4, 64);
+        let q: Vec<_> = (0..3)
+            .map(|s| {
+                let (r, c) = if s == 2 { (h, i) } else { (i, h) };
+                let bf: Vec<u16> =
+                    rand_vec(r * c, s as u64 + 1).iter().map(|&x| cherenkov_model::dtype::f32_to_bf16(x)).collect();
+                (quantize_matrix(&bf, r, c, fmt), r, c)
+            })
+            .collect();
+        let lin = |k: usize| {
+            let (m, rows, cols) = &q[k];
+            Linear::Affine { fmt, rows: *rows, cols: *cols, words: &m.words, scales: &m.scales, biases: &m.biases }
+        };
+        let m = ExpertMatrices { gate: lin(0), up: lin(1), down: lin(2) };
+        let team = ExpertTeam::new(2, Duration::from_millis(1)).unwrap();
+        let short = rand_vec(h / 2, 1);
+        let x = rand_vec(h, 2);
+        for _ in 0..4 {
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let mut job = team.submit(&[JobExpert { matrices: m, x: &short }]);
+                job.wait().map(|_| ())
+            }));
+            assert!(matches!(outcome, Err(_) | Ok(Err(_))), "a job with a short input cannot succeed");
+            let mut job = team.submit(&[JobExpert { matrices: m, x: &x }]);
+            assert_eq!(job.wait().unwrap()[..], m.forward(&x)[..]);
         }
     }
 }

@@ -151,7 +151,7 @@ fn cpu_expert_probe() {
                 let jobs: Vec<JobExpert> = (0..per_job).map(|j| JobExpert { matrices: mats[pick(j)], x: &x }).collect();
                 let t = Instant::now();
                 let mut job = team.submit(&jobs);
-                std::hint::black_box(job.wait());
+                std::hint::black_box(job.wait().unwrap());
                 if rep >= 2 * n {
                     times.push(ms(t) / per_job as f64);
                 }

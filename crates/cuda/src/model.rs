@@ -1327,7 +1327,7 @@ impl CudaModel {
         // The experts computed on the CPU: their outputs into their table entries' rows.
         if let Some(job) = cpu_job.as_mut() {
             let tw = std::time::Instant::now();
-            let out = job.wait();
+            let out = job.wait()?;
             st.cpu_wait_ns += tw.elapsed().as_nanos() as u64;
             st.cpu_experts += cpu_ranks.len() as u64;
             let at = l * k * h;

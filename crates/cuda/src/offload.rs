@@ -124,7 +124,7 @@ impl CpuExperts {
         for e in 0..ef.num_experts.min(16) {
             let rec = cx.record(store, slots, 0, e)?;
             let matrices = ExpertMatrices::from_record(rec, layout)?;
-            cx.team.submit(&[JobExpert { matrices, x: &x }]).wait();
+            cx.team.submit(&[JobExpert { matrices, x: &x }]).wait()?;
         }
         cx.all = std::env::var_os("CHERENKOV_CPU_EXPERTS_ALL").is_some_and(|v| v == "1");
         Ok(cx)
