@@ -97,34 +97,8 @@ fn sums_for(m: &Linear, x: &[f32]) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cherenkov_model::quant::{Affine, quantize_matrix};
-
-    fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-            })
-            .collect()
-    }
-
-    struct Q {
-        words: Vec<u32>,
-        scales: Vec<u16>,
-        biases: Vec<u16>,
-    }
-
-    fn quant(rows: usize, cols: usize, fmt: Affine, seed: u64) -> Q {
-        let w = rand_vec(rows * cols, seed);
-        let bf: Vec<u16> = w.iter().map(|&x| cherenkov_model::dtype::f32_to_bf16(x)).collect();
-        let q = quantize_matrix(&bf, rows, cols, fmt);
-        Q { words: q.words, scales: q.scales, biases: q.biases }
-    }
-
-    fn lin(q: &Q, fmt: Affine, rows: usize, cols: usize) -> Linear<'_> {
-        Linear::Affine { fmt, rows, cols, words: &q.words, scales: &q.scales, biases: &q.biases }
-    }
+    use crate::testing::{Quantized, expert, matrices, rand_vec};
+    use cherenkov_model::quant::Affine;
 
     /// The expert by the CPU backend's batch path (`Linear::forward`), against the single-token
     /// rows split over "threads", for the widths the GPU path meets.
@@ -133,8 +107,8 @@ mod tests {
         for (bits, gs) in [(4, 64), (4, 32), (8, 64), (3, 64), (2, 32)] {
             let (i, h) = (96, 256);
             let fmt = Affine::new(bits, gs);
-            let (g, u, d) = (quant(i, h, fmt, 1), quant(i, h, fmt, 2), quant(h, i, fmt, 3));
-            let m = ExpertMatrices { gate: lin(&g, fmt, i, h), up: lin(&u, fmt, i, h), down: lin(&d, fmt, h, i) };
+            let q = expert(i, h, fmt, 1);
+            let m = matrices(&q);
             let x = rand_vec(h, 9);
             // Reference: the batch kernels.
             let (mut gv, mut uv) = (vec![0f32; i], vec![0f32; i]);
@@ -170,8 +144,8 @@ mod tests {
     fn q4_paths_agree() {
         let (rows, cols) = (5, 512);
         let fmt = Affine::new(4, 64);
-        let q = quant(rows, cols, fmt, 4);
-        let l = lin(&q, fmt, rows, cols);
+        let q = Quantized::new(rows, cols, fmt, 4);
+        let l = q.linear();
         let x = rand_vec(cols, 5);
         let xs = group_sums(&x, 64);
         let mut want = vec![0f32; rows];

@@ -18,6 +18,8 @@ pub mod ops;
 pub mod ple;
 pub mod state;
 pub mod team;
+#[cfg(test)]
+mod testing;
 pub mod weights;
 
 pub use cherenkov_engine::backend::Logits;

@@ -342,27 +342,16 @@ fn unpack_codes(words: &[u32], bits: u32, out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cherenkov_model::quant::{dequantize_row, quantize_matrix};
-
-    fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-            })
-            .collect()
-    }
+    use crate::testing::{Quantized, rand_vec};
+    use cherenkov_model::quant::dequantize_row;
 
     #[test]
     fn affine_forward_matches_dequantized_reference() {
         for bits in [2, 3, 4, 5, 6, 8] {
             let (rows, cols) = (37, 192);
             let fmt = Affine::new(bits, 64);
-            let w = rand_vec(rows * cols, bits as u64);
-            let bf: Vec<u16> = w.iter().map(|&x| cherenkov_model::dtype::f32_to_bf16(x)).collect();
-            let q = quantize_matrix(&bf, rows, cols, fmt);
-            let lin = Linear::Affine { fmt, rows, cols, words: &q.words, scales: &q.scales, biases: &q.biases };
+            let m = Quantized::new(rows, cols, fmt, bits as u64);
+            let (lin, q) = (m.linear(), &m.q);
             let x = rand_vec(3 * cols, 99);
             let mut y = vec![0f32; 3 * rows];
             lin.forward(&x, &mut y);
@@ -394,9 +383,7 @@ mod tests {
         let (rows, cols) = (3, 256);
         for gs in [32, 64, 128] {
             let fmt = Affine::new(4, gs);
-            let w = rand_vec(rows * cols, gs as u64);
-            let bf: Vec<u16> = w.iter().map(|&x| cherenkov_model::dtype::f32_to_bf16(x)).collect();
-            let q = quantize_matrix(&bf, rows, cols, fmt);
+            let q = Quantized::new(rows, cols, fmt, gs as u64).q;
             let x = rand_vec(cols, 3);
             let xs = group_sums(&x, gs);
             let (wpr, gpr) = (fmt.words_per_row(cols), fmt.groups_per_row(cols));

@@ -414,37 +414,15 @@ impl Drop for ExpertTeam {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::linear::Linear;
-    use cherenkov_model::quant::{Affine, quantize_matrix};
-
-    fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-            })
-            .collect()
-    }
+    use crate::testing::{expert, matrices, rand_vec};
+    use cherenkov_model::quant::Affine;
 
     #[test]
     fn a_team_computes_what_one_thread_does() {
         let (i, h) = (160, 256);
         let fmt = Affine::new(4, 64);
-        let q: Vec<_> = (0..9)
-            .map(|s| {
-                let (r, c) = if s % 3 == 2 { (h, i) } else { (i, h) };
-                let bf: Vec<u16> =
-                    rand_vec(r * c, s as u64 + 1).iter().map(|&x| cherenkov_model::dtype::f32_to_bf16(x)).collect();
-                (quantize_matrix(&bf, r, c, fmt), r, c)
-            })
-            .collect();
-        let lin = |k: usize| {
-            let (m, rows, cols) = &q[k];
-            Linear::Affine { fmt, rows: *rows, cols: *cols, words: &m.words, scales: &m.scales, biases: &m.biases }
-        };
-        let experts: Vec<ExpertMatrices> =
-            (0..3).map(|e| ExpertMatrices { gate: lin(3 * e), up: lin(3 * e + 1), down: lin(3 * e + 2) }).collect();
+        let q: Vec<_> = (0..3).map(|e| expert(i, h, fmt, 3 * e + 1)).collect();
+        let experts: Vec<ExpertMatrices> = q.iter().map(matrices).collect();
         let xs: Vec<Vec<f32>> = (0..3).map(|e| rand_vec(h, 100 + e)).collect();
         // Parked threads (no spinning) and spinning ones, several jobs in a row, one to three experts.
         for spin_for in [Duration::ZERO, Duration::from_millis(5)] {
@@ -475,19 +453,8 @@ mod tests {
     fn a_panicking_chunk_fails_the_job_and_the_team_goes_on() {
         let (i, h) = (64, 128);
         let fmt = Affine::new(4, 64);
-        let q: Vec<_> = (0..3)
-            .map(|s| {
-                let (r, c) = if s == 2 { (h, i) } else { (i, h) };
-                let bf: Vec<u16> =
-                    rand_vec(r * c, s as u64 + 1).iter().map(|&x| cherenkov_model::dtype::f32_to_bf16(x)).collect();
-                (quantize_matrix(&bf, r, c, fmt), r, c)
-            })
-            .collect();
-        let lin = |k: usize| {
-            let (m, rows, cols) = &q[k];
-            Linear::Affine { fmt, rows: *rows, cols: *cols, words: &m.words, scales: &m.scales, biases: &m.biases }
-        };
-        let m = ExpertMatrices { gate: lin(0), up: lin(1), down: lin(2) };
+        let q = expert(i, h, fmt, 1);
+        let m = matrices(&q);
         let team = ExpertTeam::new(2, Duration::from_millis(1)).unwrap();
         let short = rand_vec(h / 2, 1);
         let x = rand_vec(h, 2);
