@@ -60,8 +60,8 @@ pub struct LoadArgs {
     /// them, when the measured rates say the block then ends sooner (the misses of lowest routing
     /// weight; they are not cached on the GPU). Without a pinned file every record is checked
     /// first. Off by default: the CPU's sums differ from the GPU's in the last bits and the choice
-    /// depends on timing, so runs are not reproducible; on the H200 host it gained nothing (see
-    /// docs/engine.md).
+    /// depends on timing, so runs are not reproducible; on the H200 host it gained 0-3%, within
+    /// noise (see docs/engine.md).
     #[arg(long, value_name = "THREADS")]
     pub cpu_experts: Option<String>,
 }
