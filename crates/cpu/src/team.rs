@@ -217,11 +217,6 @@ impl ExpertTeam {
         Ok(team)
     }
 
-    /// Threads in the team (the submitter helps too).
-    pub fn threads(&self) -> usize {
-        self.threads.len()
-    }
-
     /// Says a job may follow soon: parked threads wake, and spinning ones spin for another
     /// `spin_for` from now.
     pub fn keep_warm(&self) {
@@ -331,11 +326,6 @@ impl Job<'_> {
             spin(&mut spins);
         }
         self.done = true;
-    }
-
-    /// Whether the job is complete (without helping).
-    pub fn is_done(&self) -> bool {
-        self.work.complete()
     }
 }
 

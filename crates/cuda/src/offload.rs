@@ -13,16 +13,18 @@
 //! pinned memory and the copy, [`DeviceSlots::lone_load_ns`]; measured at load) and what the CPU
 //! team takes per expert (measured at load, then the median of its last jobs). The block's loads
 //! share one resource (the link; host memory bandwidth for the reads), so `m` loads end after about
-//! `m` lone ones; the team computes its experts one after another at its rate. [`cpu_share`] picks the number of misses for the CPU that ends the
-//! block's experts soonest; the CPU takes the misses of lowest routing weight, so the ones that
-//! matter most are the ones cached. An expert computed on the CPU is not cached on the GPU.
+//! `m` lone ones; the team computes its experts one after another at its rate. [`cpu_share`]
+//! picks the number of misses for the CPU that ends the block's experts soonest; the CPU takes the
+//! misses of lowest routing weight, so the ones that matter most are the ones cached. An expert
+//! computed on the CPU is not cached on the GPU.
+//!
 //! The team's rate is only measured by using it, so a rate that made the CPU lose (a slow job, a
-//! busy host) would never be measured again: every 64th block with misses that gives the CPU
-//! none gives it one anyway. Every streamed block keeps the team's threads spinning
+//! busy host) would never be measured again: every 64th block with misses that gives the CPU none
+//! gives it one anyway. Every streamed block keeps the team's threads spinning
 //! ([`ExpertTeam::keep_warm`]), so a job never waits for threads to wake.
 //!
-//! `CHERENKOV_CPU_EXPERTS_ALL=1` gives every miss to the CPU whatever the rates (for checks: the
-//! GPU check runs `run --check` so, to compare the path with the CPU reference).
+//! `CHERENKOV_CPU_EXPERTS_ALL=1` gives every miss to the CPU whatever the rates: the GPU check runs
+//! `run --check` with it, to compare the path with the CPU reference.
 //!
 //! Outputs differ from the GPU's in the last bits (another summation order), and which experts the
 //! CPU takes depends on timing: like the deadline cut, runs with `--cpu-experts` are not
@@ -165,11 +167,6 @@ impl CpuExperts {
             return 1;
         }
         0
-    }
-
-    /// Whether the records come from the pinned expert file.
-    pub fn pinned(&self) -> bool {
-        matches!(self.records, Records::Pinned)
     }
 
     /// The CPU team's current time per expert, ns.
