@@ -160,10 +160,17 @@ impl<'a> Linear<'a> {
                 (&words[r * wpr..(r + 1) * wpr], &scales[r * gpr..(r + 1) * gpr], &biases[r * gpr..(r + 1) * gpr]);
             return q4::dot(w, s, b, &x[..cols], &xsums[..gpr], fmt.group_size);
         }
-        let mut scratch = vec![0f32; self.cols()];
-        let mut out = [0f32];
-        self.row_dots(r, x, xsums, &mut scratch, &mut out);
-        out[0]
+        // A decoded row per thread, reused: this runs once per row of every expert the CPU computes.
+        thread_local! {
+            static ROW: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+        }
+        ROW.with(|row| {
+            let mut scratch = row.borrow_mut();
+            scratch.resize(self.cols(), 0.0);
+            let mut out = [0f32];
+            self.row_dots(r, x, xsums, &mut scratch, &mut out);
+            out[0]
+        })
     }
 
     /// Dot products of weight row `r` with every input row.

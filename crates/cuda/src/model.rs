@@ -1327,7 +1327,10 @@ impl CudaModel {
         // The experts computed on the CPU: their outputs into their table entries' rows.
         if let Some(job) = cpu_job.as_mut() {
             let tw = std::time::Instant::now();
-            let out = job.wait()?;
+            let out = job.wait().with_context(|| {
+                let ids: Vec<usize> = cpu_ranks.iter().map(|&r| experts[r]).collect();
+                format!("experts {ids:?} of MoE layer {l} ({}), computed on the CPU", layout.layer)
+            })?;
             st.cpu_wait_ns += tw.elapsed().as_nanos() as u64;
             st.cpu_experts += cpu_ranks.len() as u64;
             let at = l * k * h;
