@@ -80,6 +80,11 @@ pub struct BenchArgs {
     /// Threads of the last cases' CPU expert team (`--cpu-experts`; auto: half the cores).
     #[arg(long, default_value = "auto", value_name = "THREADS")]
     pub cpu_experts: String,
+    /// Only the cases that compare two builds: every expert resident (with and without CUDA
+    /// graphs, and at half the depth) and the budget's pinned streaming; no policy study and no
+    /// peer. Writes bench-<date>-quick.md.
+    #[arg(long)]
+    pub quick: bool,
 }
 
 /// What one case runs: expert slots, the page cache dropped first, graphs, the deadline cut, the
@@ -120,11 +125,52 @@ struct Case {
     cpu_rates: Option<(u64, u64)>,
     /// Where the timed loads' time went.
     loads: cherenkov_cuda::slots::LoadSplit,
+    /// Where the timed MoE blocks' GPU time went.
+    anatomy: cherenkov_cuda::model::BlockAnatomy,
     /// Share of a token's experts the previous token also used (same layer).
     share: Option<f64>,
     /// Routing steps from the prompt on; the first `warm_steps` (prompt and warm-up) only fill.
     trace: Vec<cherenkov_engine::policy::Step>,
     warm_steps: usize,
+}
+
+/// Today's date (UTC) as the results' file names carry it.
+fn today() -> String {
+    std::process::Command::new("date")
+        .args(["-u", "+%Y-%m-%d"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
+}
+
+/// The MoE blocks' anatomy of the cases whose steps were timed block by block (not replayed from a
+/// graph), as a markdown section (empty when there are none).
+fn anatomy_table(cases: &[Case]) -> String {
+    let timed: Vec<&Case> = cases.iter().filter(|k| k.anatomy.blocks > 0).collect();
+    if timed.is_empty() {
+        return String::new();
+    }
+    let mut md = String::from(
+        "\nWhere a MoE block's time goes on the GPU (CUDA events; mean ms per block, from the router's routing being ready; the copy columns over blocks whose misses were copied from the pinned file, the read experts over blocks with misses):\n\n| case | blocks (with misses) | router to router (one layer) | router to resident experts | resident experts | router to first copy | copies (first start to last end) | last copy to read experts | read experts |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+    );
+    let per = |ns: u64, n: u64| if n == 0 { "-".to_string() } else { format!("{:.3}", ns as f64 / 1e6 / n as f64) };
+    for k in timed {
+        let a = &k.anatomy;
+        md.push_str(&format!(
+            "| {} | {} ({}) | {} | {} | {} | {} | {} | {} | {} |\n",
+            k.name,
+            a.blocks,
+            a.blocks_missing,
+            per(a.span_ns, a.spans),
+            per(a.to_resident_ns, a.blocks),
+            per(a.resident_ns, a.blocks),
+            per(a.to_copy_ns, a.copies_timed),
+            per(a.copy_ns, a.copies_timed),
+            per(a.copy_to_read_ns, a.copies_timed),
+            per(a.read_ns, a.blocks_missing)
+        ));
+    }
+    md
 }
 
 /// Bytes of the dense weights a store of config `c` holds (packed as `prepare` would), and those a
@@ -310,6 +356,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             cpu_wait_ms: tm.cpu_wait_ns as f64 / 1e6 / n,
             cpu_rates: model.cpu_expert_rates(),
             loads: memory.load_split(),
+            anatomy: tm.anatomy,
             share: model.skew.as_ref().and_then(|k| k.consecutive_share()),
             warm_steps: warm_trace.len(),
             trace: warm_trace.into_iter().chain(pool.take_trace()).collect(),
@@ -334,6 +381,51 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     // lookahead (what its reads gain), 6 warm but read by the CPU (what pinning gains), 7 resident
     // at half the depth (the per-layer extrapolation's second point), then pinned with some misses
     // computed on the CPU.
+    if args.quick {
+        let cases = vec![
+            run_case("all experts resident", resident)?,
+            run_case("all experts resident, no CUDA graphs", Spec { graphs: false, ..resident })?,
+            run_case(&format!("{g} budget, page cache warm, expert file pinned"), pinned)?,
+            run_case(
+                &format!("all experts resident, first {} layers only", layers / 2),
+                Spec { depth: (layers / 2).max(1), ..resident },
+            )?,
+        ];
+        let per_token_ms = per_token_part(1e3 / cases[0].tok_s, layers, 1e3 / cases[3].tok_s, cases[3].depth);
+        let mut md = format!(
+            "# Decode benchmark (quick), {}\n\nCommand: `cherenkov bench --quick --layers {} --tokens {} --gpu-memory {} --synthetic-routing {}`  \nGPU: {}; device copy {:.0} GB/s, pinned host-to-device {:.1} GB/s (measured).\n\n",
+            today(),
+            args.layers,
+            args.tokens,
+            args.gpu_memory,
+            args.synthetic_routing,
+            gpu.info.name,
+            bw.device / 1e9,
+            bw.host_to_device / 1e9
+        );
+        md.push_str("| case | tok/s | 48-layer tok/s | hit rate | read per token | dense ms/tok | experts ms/tok | waiting ms/tok |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n");
+        for k in &cases {
+            md.push_str(&format!(
+                "| {} | {:.1} | {:.1} | {:.1}% | {} | {:.2} | {:.2} | {:.2} |\n",
+                k.name,
+                k.tok_s,
+                tok_s_at_depth(48, per_token_ms, 1e3 / k.tok_s, k.depth),
+                100.0 * k.hit_rate,
+                format_bytes(k.bytes_per_token as u64),
+                k.dense_ms,
+                k.experts_ms,
+                k.wait_ms
+            ));
+        }
+        md.push_str(&format!("\nPer-token part {per_token_ms:.3} ms.\n"));
+        md.push_str(&anatomy_table(&cases));
+        std::fs::create_dir_all(&args.out)?;
+        let path = args.out.join(format!("bench-{}-quick.md", today()));
+        std::fs::write(&path, &md)?;
+        writeln!(out, "{md}")?;
+        writeln!(out, "wrote {}", path.display())?;
+        return Ok(());
+    }
     let mut cases = vec![
         run_case("all experts resident", resident)?,
         run_case("all experts resident, no CUDA graphs", Spec { graphs: false, ..resident })?,
@@ -422,11 +514,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     };
 
     // Report.
-    let date = std::process::Command::new("date")
-        .args(["-u", "+%Y-%m-%d"])
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_default();
+    let date = today();
     let mut md = String::new();
     md.push_str(&format!("# Decode benchmark, {date}\n\n"));
     md.push_str(&format!(
@@ -555,6 +643,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             r.0 as f64 / 1e6
         ));
     }
+    md.push_str(&anatomy_table(&cases));
     if let Some(p) = &peer {
         let tps = p["tokens_per_s"].as_f64().unwrap_or(0.0);
         md.push_str(&format!(

@@ -386,6 +386,11 @@ impl Event {
         unsafe { cu::event::synchronize(self.raw) }.map_err(|e| anyhow::anyhow!("a CUDA kernel failed: {e}"))
     }
 
+    /// The driver's handle (for timing against events of other streams).
+    pub(crate) fn raw(&self) -> sys::CUevent {
+        self.raw
+    }
+
     /// Whether the work recorded before this event has finished (without waiting).
     pub fn done(&self) -> Result<bool> {
         // SAFETY: raw is a live event of this context.

@@ -79,6 +79,49 @@ pub struct StepTiming {
     /// everything else of their block, ns.
     pub cpu_experts: u64,
     pub cpu_wait_ns: u64,
+    /// Where the timed MoE blocks' time went on the GPU (steps not replayed from a graph).
+    pub anatomy: BlockAnatomy,
+}
+
+/// Where the timed MoE blocks' GPU time went, summed over blocks (ns; CUDA events on the compute
+/// stream and the copy streams, all read after the step). Times are measured from the router-ready
+/// event (the routing written) of each block. The copy times cover blocks with misses copied into
+/// slots whose copy events still describe that block's copies.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct BlockAnatomy {
+    /// Blocks timed, and those of them with misses read to the GPU.
+    pub blocks: u64,
+    pub blocks_missing: u64,
+    /// Router ready to the resident experts' first kernel, and those kernels.
+    pub to_resident_ns: u64,
+    pub resident_ns: u64,
+    /// Blocks with misses: router ready to the first miss's copy start; first copy start to last
+    /// copy end; last copy end to the read experts' first kernel; those kernels.
+    pub copies_timed: u64,
+    pub to_copy_ns: u64,
+    pub copy_ns: u64,
+    pub copy_to_read_ns: u64,
+    pub read_ns: u64,
+    /// Router ready to the next block's router ready (blocks followed by one in the same step):
+    /// one layer, and how many were measured.
+    pub spans: u64,
+    pub span_ns: u64,
+}
+
+impl BlockAnatomy {
+    fn add(&mut self, o: &BlockAnatomy) {
+        self.blocks += o.blocks;
+        self.blocks_missing += o.blocks_missing;
+        self.to_resident_ns += o.to_resident_ns;
+        self.resident_ns += o.resident_ns;
+        self.copies_timed += o.copies_timed;
+        self.to_copy_ns += o.to_copy_ns;
+        self.copy_ns += o.copy_ns;
+        self.copy_to_read_ns += o.copy_to_read_ns;
+        self.read_ns += o.read_ns;
+        self.spans += o.spans;
+        self.span_ns += o.span_ns;
+    }
 }
 
 impl StepTiming {
@@ -169,6 +212,9 @@ pub(crate) struct MoeStep<'p> {
     /// MoE layers with misses whose copies the stream waited for (copies in the background): their
     /// waiting is the GPU's, from the resident experts' end to the read experts' start.
     gpu_waited: Vec<usize>,
+    /// Timed blocks in step order (their router-ready events recorded): the MoE layer and the
+    /// slots its read experts were copied into.
+    blocks: Vec<(usize, Vec<usize>)>,
     wait_ns: u64,
     start: std::time::Instant,
     /// Host time until everything up to the logits was queued.
@@ -193,6 +239,7 @@ impl MoeStep<'_> {
             routed: Vec::new(),
             read_timed: Vec::new(),
             gpu_waited: Vec::new(),
+            blocks: Vec::new(),
             wait_ns: 0,
             start: std::time::Instant::now(),
             queued_ns: None,
@@ -256,7 +303,8 @@ impl MoeBufs {
         let events = (0..l)
             .map(|_| {
                 Ok([
-                    gpu.event(false)?,
+                    // Router ready: with timing, for the blocks' anatomy.
+                    gpu.event(true)?,
                     gpu.event(true)?,
                     gpu.event(true)?,
                     gpu.event(true)?,
@@ -666,7 +714,10 @@ impl CudaModel {
             self.pool.record_compute(l, ns);
             experts_ns += ns;
         }
+        let anatomy =
+            if st.untimed { BlockAnatomy::default() } else { self.block_anatomy(mb, &st.blocks, &st.read_timed)? };
         self.add_timing(|t| {
+            t.anatomy.add(&anatomy);
             t.wait_ns += st.wait_ns + gpu_wait_ns;
             t.experts_ns += experts_ns;
             t.queue_ns += queue_ns;
@@ -675,6 +726,49 @@ impl CudaModel {
             t.cpu_wait_ns += st.cpu_wait_ns;
         });
         Ok(())
+    }
+
+    /// The timed blocks' anatomy (see [`BlockAnatomy`]), read from their events once the step has
+    /// finished.
+    fn block_anatomy(
+        &self,
+        mb: &MoeBufs,
+        blocks: &[(usize, Vec<usize>)],
+        read_timed: &[usize],
+    ) -> Result<BlockAnatomy> {
+        let mut a = BlockAnatomy::default();
+        let ns = |ms: f32| (ms.max(0.0) as f64 * 1e6) as u64;
+        let mem = self.pool.memory();
+        for (i, (l, slots)) in blocks.iter().enumerate() {
+            let ev = &mb.events[*l];
+            a.blocks += 1;
+            a.to_resident_ns += ns(ev[1].since(&ev[0])?);
+            a.resident_ns += ns(ev[2].since(&ev[1])?);
+            if let Some((next, _)) = blocks.get(i + 1) {
+                a.spans += 1;
+                a.span_ns += ns(mb.events[*next][0].since(&ev[0])?);
+            }
+            if slots.is_empty() || !read_timed.contains(l) {
+                continue;
+            }
+            a.blocks_missing += 1;
+            // The copies' window, where every slot's events still describe this block's copy (a
+            // later copy into the slot in this step, or a copy that never ran, leaves it out).
+            let windows: Option<Vec<(f32, f32)>> = slots.iter().map(|&s| mem.copy_window(s, &ev[0])).collect();
+            let read_start = ev[3].since(&ev[0])?;
+            if let Some(w) = windows.filter(|w| !w.is_empty()) {
+                let first = w.iter().map(|x| x.0).fold(f32::INFINITY, f32::min);
+                let last = w.iter().map(|x| x.1).fold(f32::NEG_INFINITY, f32::max);
+                if first >= 0.0 && last <= read_start {
+                    a.copies_timed += 1;
+                    a.to_copy_ns += ns(first);
+                    a.copy_ns += ns(last - first);
+                    a.copy_to_read_ns += ns(read_start - last);
+                }
+            }
+            a.read_ns += ns(ev[4].since(&ev[3])?);
+        }
+        Ok(a)
     }
 
     /// With a cache that holds every expert, loads them all now (otherwise the first step does);
@@ -1214,7 +1308,9 @@ impl CudaModel {
         if resident {
             // The router wrote the table: all k experts, in rank order.
             if !st.untimed {
+                g.record(&ev[0])?;
                 g.record(&ev[1])?;
+                st.blocks.push((l, Vec::new()));
             }
             self.launch_experts(sc, layout, table, 0, k)?;
             combine(g)?;
@@ -1279,6 +1375,9 @@ impl CudaModel {
         // SAFETY: the stream has passed this layer's previous use of its table rows (ev[0] follows
         // the previous step's end), so no copy reads them while they are written.
         unsafe { self.write_entries(mb, l, &lease, &gpu_ranks, &order, n_gpu, &cpu_ranks)? };
+        if !st.untimed {
+            st.blocks.push((l, order[hits..].iter().map(|&i| entries[i].slot).collect()));
+        }
         // 3. The resident experts' kernels run while the reads finish (a resident record may be a
         // prefetch whose copy is still running: the stream waits for it).
         for &i in &order[..hits] {

@@ -26,7 +26,7 @@ use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 use rayon::prelude::*;
 
-use crate::gpu::{DevBuf, Gpu};
+use crate::gpu::{DevBuf, Event, Gpu};
 use crate::pinned::PinnedExperts;
 
 /// A page-locked host buffer (so the copy engine can read it directly).
@@ -215,6 +215,20 @@ impl DeviceSlots {
         unsafe { cu::stream::wait_event(stream, end, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
             .map_err(|e| anyhow!("cannot make the stream wait for an expert copy: {e}"))?;
         Ok(true)
+    }
+
+    /// When the last copy into `slot` from the pinned file started and ended, in ms after `since`
+    /// (an event with timing on the compute stream); None where the slot has no copy events or the
+    /// copy has not finished.
+    pub fn copy_window(&self, slot: usize, since: &Event) -> Option<(f32, f32)> {
+        let c = self.copies[slot].lock().unwrap();
+        let (start, end) = c.events?;
+        // SAFETY: events of this context; elapsed fails (None) unless both have completed.
+        unsafe {
+            let a = cu::event::elapsed(since.raw(), start).ok()?;
+            let b = cu::event::elapsed(since.raw(), end).ok()?;
+            Some((a, b))
+        }
     }
 
     /// Whether the record in `slot` is on the GPU (no copy into it still running).
