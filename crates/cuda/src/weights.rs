@@ -161,7 +161,8 @@ impl DevLinear {
                         tile_plan(gpu, self.rows.div_ceil(MV_R), self.cols / chunk_codes(bits), 1, min_blocks, shmem);
                     if plan.blocks < sms(gpu) {
                         // Too few blocks to fill the GPU: split the columns (one-part matvec_many).
-                        let split = split_plan(gpu, self.rows, self.cols, bits, group_size);
+                        let min_blocks = many_kernel(&[bits]).1;
+                        let split = split_plan(gpu, self.rows, self.cols, bits, group_size, min_blocks);
                         if split.slices > 1 {
                             return launch_many(gpu, input, &[(self, y)], &[split]).map(|()| false);
                         }
@@ -405,12 +406,12 @@ pub struct SplitPlan {
 /// Column slices for a matrix of `rows` x `cols` (tiled format): the columns are halved while the
 /// launch has fewer blocks than multiprocessors and the halves stay whole groups of at least
 /// `MIN_SLICE` chunks (each block then stages only its slice of x and reads fewer chunks per row).
-pub fn split_plan(gpu: &Gpu, rows: usize, cols: usize, bits: u32, gs: usize) -> SplitPlan {
+pub fn split_plan(gpu: &Gpu, rows: usize, cols: usize, bits: u32, gs: usize, min_blocks: usize) -> SplitPlan {
     let cpc = chunk_codes(bits);
     let (tiles, chunks) = (rows.div_ceil(MV_R), cols / cpc);
     let shmem_of = |k: usize| tiled_shmem(bits, gs, cols / k).unwrap_or(MAX_STAGED_X);
     let mut k = 1;
-    let mut plan = tile_plan(gpu, tiles, chunks, 1, 2, shmem_of(1));
+    let mut plan = tile_plan(gpu, tiles, chunks, 1, min_blocks, shmem_of(1));
     while plan.blocks * k < sms(gpu) {
         let k2 = k * 2;
         if k2 > MAX_SLICES
@@ -422,9 +423,27 @@ pub fn split_plan(gpu: &Gpu, rows: usize, cols: usize, bits: u32, gs: usize) -> 
             break;
         }
         k = k2;
-        plan = tile_plan(gpu, tiles, chunks / k, k, 2, shmem_of(k));
+        plan = tile_plan(gpu, tiles, chunks / k, k, min_blocks, shmem_of(k));
     }
     SplitPlan { slices: k, plan, shmem: shmem_of(k) }
+}
+
+/// The `matvec_many` kernel for parts of these widths and the blocks of 256 threads per
+/// multiprocessor its `__launch_bounds__` promise: `matvec_many_48` (3) when every part is 4- or
+/// 8-bit, else `matvec_many` (2: the 2-bit instantiation's registers).
+fn many_kernel(bits: &[u32]) -> (&'static str, usize) {
+    if bits.iter().all(|&b| b == 4 || b == 8) { ("matvec_many_48", 3) } else { ("matvec_many", 2) }
+}
+
+/// The affine widths of `parts` (0 for floating weights, which no tiled kernel takes).
+fn part_bits(parts: &[(&DevLinear, u64)]) -> Vec<u32> {
+    parts
+        .iter()
+        .map(|(l, _)| match l.precision {
+            Precision::Affine { bits, .. } => bits,
+            Precision::Float { .. } => 0,
+        })
+        .collect()
 }
 
 /// One launch of `matvec_many` for up to `MV_PARTS` matrices of one input (`cols` inputs), each
@@ -434,7 +453,8 @@ fn launch_many(gpu: &Gpu, input: MatvecInput, parts: &[(&DevLinear, u64)], plans
     let cols = parts[0].0.cols;
     // One block size for the launch: blocks per slice follow from it.
     let threads = plans.iter().map(|p| p.plan.threads).max().unwrap_or(32);
-    let (sms, min_blocks) = (sms(gpu), 2);
+    let (kernel, min_blocks) = many_kernel(&part_bits(parts));
+    let sms = sms(gpu);
     let [x2, xs, op] = input.args();
     let mut args = vec![Arg::Ptr(input.x()), x2, xs, op, Arg::I32(cols as i32), Arg::Ptr(gpu.split_scratch.ptr)];
     let (mut grid_x, mut shmem) = (1usize, 0usize);
@@ -480,7 +500,7 @@ fn launch_many(gpu: &Gpu, input: MatvecInput, parts: &[(&DevLinear, u64)], plans
             ]),
         }
     }
-    gpu.launch("matvec_many", (grid_x as u32, parts.len() as u32, 1), threads as u32, shmem as u32, &args)
+    gpu.launch(kernel, (grid_x as u32, parts.len() as u32, 1), threads as u32, shmem as u32, &args)
 }
 
 /// y_i = W_i x for every part (W_i, y_i) of one input x: one launch per `MV_PARTS` parts when all
@@ -497,10 +517,11 @@ pub fn matvec_many(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)]) -> Result<()>
         return Ok(());
     }
     for group in parts.chunks(MV_PARTS) {
+        let min_blocks = many_kernel(&part_bits(group)).1;
         let mut plans = Vec::with_capacity(group.len());
         for (l, _) in group {
             let Precision::Affine { bits, group_size } = l.precision else { unreachable!("tiled formats are affine") };
-            plans.push(split_plan(gpu, l.rows, l.cols, bits, group_size));
+            plans.push(split_plan(gpu, l.rows, l.cols, bits, group_size, min_blocks));
         }
         launch_many(gpu, MatvecInput::Plain(x), group, &plans)?;
     }
@@ -879,12 +900,15 @@ mod tests {
 
     #[test]
     fn a_projection_too_big_for_one_wave_takes_fewer_lanes_and_one_pass() {
-        // GDN in_proj_qkv (10240 x 2560, 4-bit) in matvec_many (2 blocks per multiprocessor): 32
-        // lanes would need 320 blocks of 8 tiles against 264 resident (a partial second pass of 3
-        // steps); 16 lanes need 160 blocks of 16 tiles, one pass of 5 steps.
+        // GDN in_proj_qkv (10240 x 2560, 4-bit) with 2 blocks per multiprocessor (`matvec_many`
+        // with a 2-bit part): 32 lanes would need 320 blocks of 8 tiles against 264 resident (a
+        // partial second pass of 3 steps); 16 lanes need 160 blocks of 16 tiles, one pass of 5.
         assert_eq!(h200(10240, 2560, 4, 64, 1, 2), TilePlan { lanes: 16, threads: 256, blocks: 160 });
         // Attention q_proj (12288 rows) likewise.
         assert_eq!(h200(12288, 2560, 4, 64, 1, 2).lanes, 16);
+        // With 3 blocks per multiprocessor (`matvec_many_48`, the released formats) 396 are
+        // resident: 32 lanes and one pass.
+        assert_eq!(h200(10240, 2560, 4, 64, 1, 3), TilePlan { lanes: 32, threads: 256, blocks: 320 });
     }
 
     #[test]

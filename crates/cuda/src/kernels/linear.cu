@@ -533,25 +533,37 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
         int b##i, int g##i
 #define MV_SEL(v) (p == 0 ? v##0 : p == 1 ? v##1 : p == 2 ? v##2 : v##3)
 // (x2, xs, op): the input transform (MV_IN_*), applied to every part's x.
-extern "C" __global__ void __launch_bounds__(256, 2)
-    matvec_many(const float* x, const float* x2, float xs, int op, int cols, float* scratch, MV_PART_ARGS(0),
-                MV_PART_ARGS(1), MV_PART_ARGS(2), MV_PART_ARGS(3)) {
+#define MATVEC_MANY_ARGS                                                                                      \
+    const float *x, const float *x2, float xs, int op, int cols, float *scratch, MV_PART_ARGS(0), MV_PART_ARGS(1), \
+        MV_PART_ARGS(2), MV_PART_ARGS(3)
+#define MATVEC_MANY_PART(B)                                                                                   \
+    matvec_many_part<B>(x, MvIn{x2, xs, op}, cols, MV_SEL(g), scratch, MV_SEL(W), MV_SEL(S), MV_SEL(Bi),      \
+                        MV_SEL(y), MV_SEL(r), MV_SEL(l), MV_SEL(n), MV_SEL(k))
+extern "C" __global__ void __launch_bounds__(256, 2) matvec_many(MATVEC_MANY_ARGS) {
     const int p = blockIdx.y;
     grid_enter();
-    const MvIn in{x2, xs, op};
     switch (MV_SEL(b)) {
         case 2:
-            matvec_many_part<2>(x, in, cols, MV_SEL(g), scratch, MV_SEL(W), MV_SEL(S), MV_SEL(Bi), MV_SEL(y),
-                                MV_SEL(r), MV_SEL(l), MV_SEL(n), MV_SEL(k));
+            MATVEC_MANY_PART(2);
             break;
         case 4:
-            matvec_many_part<4>(x, in, cols, MV_SEL(g), scratch, MV_SEL(W), MV_SEL(S), MV_SEL(Bi), MV_SEL(y),
-                                MV_SEL(r), MV_SEL(l), MV_SEL(n), MV_SEL(k));
+            MATVEC_MANY_PART(4);
             break;
         default:
-            matvec_many_part<8>(x, in, cols, MV_SEL(g), scratch, MV_SEL(W), MV_SEL(S), MV_SEL(Bi), MV_SEL(y),
-                                MV_SEL(r), MV_SEL(l), MV_SEL(n), MV_SEL(k));
+            MATVEC_MANY_PART(8);
             break;
+    }
+}
+
+// matvec_many for parts of 4 and 8 bits only: without the 2-bit instantiation the kernel fits the
+// register budget of 3 blocks of 256 threads per multiprocessor (DevLinear's planning knows it).
+extern "C" __global__ void __launch_bounds__(256, 3) matvec_many_48(MATVEC_MANY_ARGS) {
+    const int p = blockIdx.y;
+    grid_enter();
+    if (MV_SEL(b) == 4) {
+        MATVEC_MANY_PART(4);
+    } else {
+        MATVEC_MANY_PART(8);
     }
 }
 
