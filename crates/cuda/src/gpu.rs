@@ -95,8 +95,8 @@ pub const BLOCKS_WANTED: usize = 528;
 pub const MAX_STAGED_X: usize = 160 << 10;
 
 /// Bytes of the zeroed scratch the split matvecs use (`matvec_many` in linear.cu: 64 floats of
-/// counters, then 4 parts of 16384 partial sums).
-pub const SPLIT_SCRATCH_BYTES: usize = (64 + 4 * 16384) * 4;
+/// counters, then 4 parts of 16384 partial sums, then 4 parts of 32 slices' sums of squares).
+pub const SPLIT_SCRATCH_BYTES: usize = (64 + 4 * 16384 + 4 * 32) * 4;
 
 /// A kernel argument, passed by value.
 #[derive(Clone, Copy, Debug)]

@@ -41,7 +41,9 @@ use cherenkov_model::store::{ExpertLayout, Precision, RecordMatrix, Store};
 use crate::gpu::{Arg, DevBuf, Event, Gpu, Graph, Pinned, blocks};
 use crate::session::{CudaSession, MixerState};
 use crate::slots::DeviceSlots;
-use crate::weights::{DeviceWeights, HyperConnection, MatvecInput, MatvecOutput, Mixer, matvec_many};
+use crate::weights::{
+    DeviceWeights, FoldedNorm, HyperConnection, MatvecInput, MatvecOutput, Mixer, Normed, matvec_many,
+};
 
 /// Precision tags of address-table entries.
 pub const TAG_Q3: u64 = 1 << 63;
@@ -135,6 +137,8 @@ impl StepTiming {
 pub(crate) struct Scratch {
     pub(crate) x: DevBuf,
     pub(crate) normed: DevBuf,
+    /// The hyper-connection streams' 1 / rms, where the norm is folded into the read's matvecs.
+    pub(crate) hc_inv: DevBuf,
     pub(crate) low: DevBuf,
     pub(crate) mix: DevBuf,
     pub(crate) inp: DevBuf,
@@ -379,6 +383,7 @@ impl CudaModel {
         let scratch = Scratch {
             x: z(f32s(c.hc_hidden()), "activations")?,
             normed: z(f32s(c.hc_hidden()), "activations")?,
+            hc_inv: z(f32s(c.hc_count), "activations")?,
             low: z(f32s(c.hc_lowrank), "activations")?,
             mix: z(f32s(c.hc_hidden()), "activations")?,
             inp: z(f32s(c.hidden_size), "activations")?,
@@ -1005,18 +1010,30 @@ impl CudaModel {
         let c = self.config();
         let (h, hc) = (c.hidden_size, c.hc_count);
         let g = &*self.gpu;
-        self.rmsnorm(sc.x.ptr, hcw.hc_norm.ptr, sc.normed.ptr, hc, h, c.hc_hidden())?;
         // The injection logits are read only by `inject`, after the block: computed here with the
         // down projection of the same input, in one launch.
-        match &hcw.block_inject_weight {
-            Some(inj) => matvec_many(g, sc.normed.ptr, &[(&hcw.input_mix_weight_down, sc.low.ptr), (inj, sc.inj.ptr)])?,
-            None => hcw.input_mix_weight_down.matvec(g, sc.normed.ptr, sc.low.ptr)?,
+        let mut down = vec![(&hcw.input_mix_weight_down, sc.low.ptr)];
+        if let Some(inj) = &hcw.block_inject_weight {
+            down.push((inj, sc.inj.ptr));
         }
         // silu(low / hc) (as the CPU: silu(low * (1 / hc))), applied by the up projection as it
         // stages its input; `low` keeps the down projection.
         let input = MatvecInput::SiluScaled(sc.low.ptr, 1.0 / hc as f32);
+        let up = &hcw.input_mix_weight_up;
+        // Where both kernels apply: the norm folded into the down projection and recomputed by the
+        // up projection and mix (two launches, nothing normalised is stored).
+        if crate::weights::hc_up_mix_applies(up, hc, h) {
+            let norm = FoldedNorm { group: h, eps: c.rms_norm_eps as f32, inv: sc.hc_inv.ptr };
+            if crate::weights::matvec_many_norm(g, sc.x.ptr, hcw.hc_norm.ptr, &down, norm)? {
+                let normed = Normed::Folded { x: sc.x.ptr, w: hcw.hc_norm.ptr, inv: sc.hc_inv.ptr };
+                crate::weights::hc_up_mix(g, up, input, normed, sc.inp.ptr, hc, h)?;
+                return Ok(());
+            }
+        }
+        self.rmsnorm(sc.x.ptr, hcw.hc_norm.ptr, sc.normed.ptr, hc, h, c.hc_hidden())?;
+        matvec_many(g, sc.normed.ptr, &down)?;
         // The up projection and the mix in one launch where the kernel applies.
-        if crate::weights::hc_up_mix(g, &hcw.input_mix_weight_up, input, sc.normed.ptr, sc.inp.ptr, hc, h)? {
+        if crate::weights::hc_up_mix(g, up, input, Normed::Stored(sc.normed.ptr), sc.inp.ptr, hc, h)? {
             return Ok(());
         }
         hcw.input_mix_weight_up.matvec_in(g, input, sc.mix.ptr)?;

@@ -36,6 +36,9 @@ pub enum MatvecInput {
     SiluMul(u64, u64),
     /// a * sigmoid(b) (the attention output gate; `mul_sigmoid` in ops.cu).
     MulSigmoid(u64, u64),
+    /// x * (1 + w) (a zero-centred norm's weight, the norm's scale folded into the matvec:
+    /// [`matvec_many_norm`]).
+    OnePlus(u64, u64),
 }
 
 impl MatvecInput {
@@ -45,18 +48,20 @@ impl MatvecInput {
             MatvecInput::Plain(x)
             | MatvecInput::SiluScaled(x, _)
             | MatvecInput::SiluMul(x, _)
-            | MatvecInput::MulSigmoid(x, _) => x,
+            | MatvecInput::MulSigmoid(x, _)
+            | MatvecInput::OnePlus(x, _) => x,
         }
     }
 
     /// The kernels' transform arguments (x2, xs, op): `op` is `MV_IN_PLAIN` (0), `MV_IN_SILU_SCALED`
-    /// (1), `MV_IN_SILU_MUL` (2) or `MV_IN_MUL_SIGMOID` (3) of linear.cu.
+    /// (1), `MV_IN_SILU_MUL` (2), `MV_IN_MUL_SIGMOID` (3) or `MV_IN_ONE_PLUS` (4) of linear.cu.
     fn args(self) -> [Arg; 3] {
         match self {
             MatvecInput::Plain(_) => [Arg::Ptr(0), Arg::F32(0.0), Arg::I32(0)],
             MatvecInput::SiluScaled(_, s) => [Arg::Ptr(0), Arg::F32(s), Arg::I32(1)],
             MatvecInput::SiluMul(_, b) => [Arg::Ptr(b), Arg::F32(0.0), Arg::I32(2)],
             MatvecInput::MulSigmoid(_, b) => [Arg::Ptr(b), Arg::F32(0.0), Arg::I32(3)],
+            MatvecInput::OnePlus(_, b) => [Arg::Ptr(b), Arg::F32(0.0), Arg::I32(4)],
         }
     }
 }
@@ -164,7 +169,7 @@ impl DevLinear {
                         let min_blocks = many_kernel(&[bits]).1;
                         let split = split_plan(gpu, self.rows, self.cols, bits, group_size, min_blocks);
                         if split.slices > 1 {
-                            return launch_many(gpu, input, &[(self, y)], &[split]).map(|()| false);
+                            return launch_many(gpu, input, &[(self, y)], &[split], None).map(|()| false);
                         }
                     }
                     let a = args(group_size, MV_TILED | plan.lanes);
@@ -231,6 +236,9 @@ impl DevLinear {
                 0,
                 &[Arg::Ptr(a), Arg::Ptr(b), Arg::I32(n as i32)],
             )?,
+            MatvecInput::OnePlus(..) => {
+                bail!("x (1 + w) has no elementwise kernel: a matvec of {} inputs cannot apply it", n)
+            }
         }
         self.matvec(gpu, input.x(), y)
     }
@@ -407,30 +415,47 @@ pub struct SplitPlan {
 /// launch has fewer blocks than multiprocessors and the halves stay whole groups of at least
 /// `MIN_SLICE` chunks (each block then stages only its slice of x and reads fewer chunks per row).
 pub fn split_plan(gpu: &Gpu, rows: usize, cols: usize, bits: u32, gs: usize, min_blocks: usize) -> SplitPlan {
+    split_plan_from(gpu, rows, cols, bits, gs, min_blocks, 1).expect("one slice is always a plan")
+}
+
+/// [`split_plan`] with at least `min_slices` slices (a power of two); `None` where the columns do
+/// not split that far.
+fn split_plan_from(
+    gpu: &Gpu,
+    rows: usize,
+    cols: usize,
+    bits: u32,
+    gs: usize,
+    min_blocks: usize,
+    min_slices: usize,
+) -> Option<SplitPlan> {
     let cpc = chunk_codes(bits);
     let (tiles, chunks) = (rows.div_ceil(MV_R), cols / cpc);
     let shmem_of = |k: usize| tiled_shmem(bits, gs, cols / k).unwrap_or(MAX_STAGED_X);
-    let mut k = 1;
-    let mut plan = tile_plan(gpu, tiles, chunks, 1, min_blocks, shmem_of(1));
-    while plan.blocks * k < sms(gpu) {
-        let k2 = k * 2;
-        if k2 > MAX_SLICES
-            || !chunks.is_multiple_of(k2)
-            || chunks / k2 < MIN_SLICE
-            || !(chunks / k2 * cpc).is_multiple_of(gs)
-            || rows * k2 > MV_PART_FLOATS
-        {
-            break;
-        }
-        k = k2;
+    let splits = |k: usize| {
+        k == 1
+            || (k <= MAX_SLICES
+                && chunks.is_multiple_of(k)
+                && chunks / k >= MIN_SLICE
+                && (chunks / k * cpc).is_multiple_of(gs)
+                && rows * k <= MV_PART_FLOATS)
+    };
+    let mut k = min_slices.max(1);
+    if !k.is_power_of_two() || !splits(k) {
+        return None;
+    }
+    let mut plan = tile_plan(gpu, tiles, chunks / k, k, min_blocks, shmem_of(k));
+    while plan.blocks * k < sms(gpu) && splits(k * 2) {
+        k *= 2;
         plan = tile_plan(gpu, tiles, chunks / k, k, min_blocks, shmem_of(k));
     }
-    SplitPlan { slices: k, plan, shmem: shmem_of(k) }
+    Some(SplitPlan { slices: k, plan, shmem: shmem_of(k) })
 }
 
 /// The `matvec_many` kernel for parts of these widths and the blocks of 256 threads per
 /// multiprocessor its `__launch_bounds__` promise: `matvec_many_48` (3) when every part is 4- or
-/// 8-bit, else `matvec_many` (2: the 2-bit instantiation's registers).
+/// 8-bit, else `matvec_many` (2: the 2-bit instantiation's registers). A folded norm always takes
+/// `matvec_many`.
 fn many_kernel(bits: &[u32]) -> (&'static str, usize) {
     if bits.iter().all(|&b| b == 4 || b == 8) { ("matvec_many_48", 3) } else { ("matvec_many", 2) }
 }
@@ -448,12 +473,18 @@ fn part_bits(parts: &[(&DevLinear, u64)]) -> Vec<u32> {
 
 /// One launch of `matvec_many` for up to `MV_PARTS` matrices of one input (`cols` inputs), each
 /// in a tiled format of its own, with their split plans.
-fn launch_many(gpu: &Gpu, input: MatvecInput, parts: &[(&DevLinear, u64)], plans: &[SplitPlan]) -> Result<()> {
+fn launch_many(
+    gpu: &Gpu,
+    input: MatvecInput,
+    parts: &[(&DevLinear, u64)],
+    plans: &[SplitPlan],
+    norm: Option<FoldedNorm>,
+) -> Result<()> {
     debug_assert!(!parts.is_empty() && parts.len() <= MV_PARTS && parts.len() == plans.len());
     let cols = parts[0].0.cols;
     // One block size for the launch: blocks per slice follow from it.
     let threads = plans.iter().map(|p| p.plan.threads).max().unwrap_or(32);
-    let (kernel, min_blocks) = many_kernel(&part_bits(parts));
+    let (kernel, min_blocks) = if norm.is_some() { ("matvec_many", 2) } else { many_kernel(&part_bits(parts)) };
     let sms = sms(gpu);
     let [x2, xs, op] = input.args();
     let mut args = vec![Arg::Ptr(input.x()), x2, xs, op, Arg::I32(cols as i32), Arg::Ptr(gpu.split_scratch.ptr)];
@@ -500,7 +531,53 @@ fn launch_many(gpu: &Gpu, input: MatvecInput, parts: &[(&DevLinear, u64)], plans
             ]),
         }
     }
+    match norm {
+        Some(n) => args.extend([Arg::I32(n.group as i32), Arg::F32(n.eps), Arg::Ptr(n.inv)]),
+        None => args.extend([Arg::I32(0), Arg::F32(0.0), Arg::Ptr(0)]),
+    }
     gpu.launch(kernel, (grid_x as u32, parts.len() as u32, 1), threads as u32, shmem as u32, &args)
+}
+
+/// A zero-centred RMSNorm over groups of `group` inputs folded into a `matvec_many` launch (`MvNorm`
+/// in linear.cu); the groups' 1 / rms go to `inv` (`group` floats apart in x; 0: not kept).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FoldedNorm {
+    pub group: usize,
+    pub eps: f32,
+    pub inv: u64,
+}
+
+/// y_i = W_i n for every part, where n = x / rms(x) * (1 + w) per group of `norm.group` inputs (the
+/// hyper-connection read's norm; `rmsnorm_zc` in ops.cu), in one launch without n: the parts stage
+/// x (1 + w), each column slice lies in one group, and the slices' partial sums are scaled by their
+/// group's 1 / rms as they are added up. Returns false, queueing nothing, where that does not apply
+/// (more than `MV_PARTS` parts, parts of other inputs or formats the tiled kernels do not take,
+/// columns that do not split into whole groups): the caller then runs the norm and
+/// [`matvec_many`].
+pub fn matvec_many_norm(gpu: &Gpu, x: u64, w: u64, parts: &[(&DevLinear, u64)], norm: FoldedNorm) -> Result<bool> {
+    let Some(&(first, _)) = parts.first() else { return Ok(false) };
+    let cols = first.cols;
+    if parts.len() > MV_PARTS
+        || norm.group == 0
+        || !cols.is_multiple_of(norm.group)
+        || !(cols / norm.group).is_power_of_two()
+        || !parts.iter().all(|(l, _)| l.cols == cols && l.tiled_shmem().is_some())
+    {
+        return Ok(false);
+    }
+    // Only `matvec_many` folds a norm (2 blocks per multiprocessor).
+    let min_blocks = 2;
+    let mut plans = Vec::with_capacity(parts.len());
+    for (l, _) in parts {
+        let Precision::Affine { bits, group_size } = l.precision else { return Ok(false) };
+        // At least one slice per group; doubling keeps the slices inside groups.
+        match split_plan_from(gpu, l.rows, cols, bits, group_size, min_blocks, cols / norm.group) {
+            Some(p) => plans.push(p),
+            None => return Ok(false),
+        }
+    }
+    launch_many(gpu, MatvecInput::OnePlus(x, w), parts, &plans, Some(norm))?;
+    Ok(true)
 }
 
 /// y_i = W_i x for every part (W_i, y_i) of one input x: one launch per `MV_PARTS` parts when all
@@ -523,20 +600,35 @@ pub fn matvec_many(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)]) -> Result<()>
             let Precision::Affine { bits, group_size } = l.precision else { unreachable!("tiled formats are affine") };
             plans.push(split_plan(gpu, l.rows, l.cols, bits, group_size, min_blocks));
         }
-        launch_many(gpu, MatvecInput::Plain(x), group, &plans)?;
+        launch_many(gpu, MatvecInput::Plain(x), group, &plans, None)?;
     }
     Ok(())
 }
 
+/// Where `hc_up_mix` finds the normalised residual.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Normed {
+    /// Stored (`rmsnorm_zc`).
+    Stored(u64),
+    /// Recomputed from the residual `x`, the norm weight `w` and the streams' 1 / rms `inv`
+    /// ([`FoldedNorm::inv`]).
+    Folded { x: u64, w: u64, inv: u64 },
+}
+
+/// Whether [`hc_up_mix`] takes this up projection of `hc` streams of `h`.
+pub fn hc_up_mix_applies(up: &DevLinear, hc: usize, h: usize) -> bool {
+    matches!(up.precision, Precision::Affine { .. }) && up.tiled_shmem().is_some() && hc == MV_R && up.rows == hc * h
+}
+
 /// The hyper-connection read's up projection and mix in one launch (`hc_up_mix` in linear.cu):
 /// `out[j]` = mean over the 4 streams s of `sigmoid((W_up in(x))[s h + j]) normed[s h + j]`. Returns
-/// false, queueing nothing, where the kernel does not apply (other than 4 streams, or an up
-/// projection the tiled kernels do not take): the caller then runs the matvec and `hc_mix`.
+/// false, queueing nothing, where the kernel does not apply ([`hc_up_mix_applies`]): the caller
+/// then runs the matvec and `hc_mix`.
 pub fn hc_up_mix(
     gpu: &Gpu,
     up: &DevLinear,
     input: MatvecInput,
-    normed: u64,
+    normed: Normed,
     out: u64,
     hc: usize,
     h: usize,
@@ -544,12 +636,16 @@ pub fn hc_up_mix(
     let (Precision::Affine { bits, group_size }, Some(shmem)) = (up.precision, up.tiled_shmem()) else {
         return Ok(false);
     };
-    if hc != MV_R || up.rows != hc * h {
+    if !hc_up_mix_applies(up, hc, h) {
         return Ok(false);
     }
     // Tiles are columns of the output (one row of each stream); 2 blocks per multiprocessor.
     let plan = tile_plan(gpu, h, up.cols / chunk_codes(bits), 1, 2, shmem);
     let [x2, xs, op] = input.args();
+    let (stored, (xr, w, inv)) = match normed {
+        Normed::Stored(n) => (n, (0, 0, 0)),
+        Normed::Folded { x, w, inv } => (0, (x, w, inv)),
+    };
     gpu.launch(
         "hc_up_mix",
         (plan.blocks as u32, 1, 1),
@@ -563,13 +659,16 @@ pub fn hc_up_mix(
             x2,
             xs,
             op,
-            Arg::Ptr(normed),
+            Arg::Ptr(stored),
             Arg::Ptr(out),
             Arg::I32(h as i32),
             Arg::I32(up.cols as i32),
             Arg::I32(group_size as i32),
             Arg::I32(bits as i32),
             Arg::I32(plan.lanes as i32),
+            Arg::Ptr(xr),
+            Arg::Ptr(w),
+            Arg::Ptr(inv),
         ],
     )?;
     Ok(true)

@@ -7,11 +7,14 @@
 // MV_IN_PLAIN: x; MV_IN_SILU_SCALED: silu(x * xs) (the hyper-connection read's silu(W_down n / hc),
 // the expression of scale_silu in ops.cu); MV_IN_SILU_MUL: silu(x) * x2 (the shared expert's
 // silu(gate) * up, the expression of silu_mul); MV_IN_MUL_SIGMOID: x * sigmoid(x2) (the attention
-// output gate, the expression of mul_sigmoid). The tiled kernels' per-unit sums are sums of in(x).
+// output gate, the expression of mul_sigmoid); MV_IN_ONE_PLUS: x * (1 + x2) (a zero-centred norm's
+// weight, when the norm's scale is folded into the matvec: matvec_many's MvNorm). The tiled
+// kernels' per-unit sums are sums of in(x).
 #define MV_IN_PLAIN 0
 #define MV_IN_SILU_SCALED 1
 #define MV_IN_SILU_MUL 2
 #define MV_IN_MUL_SIGMOID 3
+#define MV_IN_ONE_PLUS 4
 
 struct MvIn {
     const float* x2;  // MV_IN_SILU_MUL, MV_IN_MUL_SIGMOID: the second input (indexed like x)
@@ -26,11 +29,12 @@ __device__ __forceinline__ float mv_in(float v, float v2, const MvIn& in) {
     return in.op == MV_IN_SILU_SCALED ? siluf_(v * in.s)
            : in.op == MV_IN_SILU_MUL   ? siluf_(v) * v2
            : in.op == MV_IN_MUL_SIGMOID ? v * sigmoidf_(v2)
+           : in.op == MV_IN_ONE_PLUS    ? v * (1.0f + v2)
                                         : v;
 }
 
 __device__ __forceinline__ bool mv_in_two(const MvIn& in) {
-    return in.op == MV_IN_SILU_MUL || in.op == MV_IN_MUL_SIGMOID;
+    return in.op == MV_IN_SILU_MUL || in.op == MV_IN_MUL_SIGMOID || in.op == MV_IN_ONE_PLUS;
 }
 
 __device__ __forceinline__ float mv_in_at(const float* __restrict__ x, const MvIn& in, int j) {
@@ -247,10 +251,13 @@ __device__ __forceinline__ float4 mv_ld4(const float* __restrict__ x, int i, boo
 }
 
 // Stages in(x) swizzled into sx4 and the unit sums of in(x) into ssum (all threads of the block
-// take part; blockDim.x is a multiple of 32).
+// take part; blockDim.x is a multiple of 32). With `ssq`, thread 0 also writes there the sum of the
+// squares of x itself (before the transform).
 template <int BITS>
 __device__ __forceinline__ void mv_stage(const float* __restrict__ x, const MvIn& in, float4* sx4, float* ssum,
-                                         int cols) {
+                                         int cols, float* ssq) {
+    __shared__ float mv_sq[32];
+    float sq = 0.0f;
     typedef MvFmt<BITS> F;
     constexpr int G = F::UNIT / 4;  // float4 slots per unit: 4 or 8
     const int n4 = cols >> 2;
@@ -262,6 +269,7 @@ __device__ __forceinline__ void mv_stage(const float* __restrict__ x, const MvIn
         float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (i < n4) {
             v = mv_ld4(x, i, aligned);
+            sq += (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w);
             if (in.op != MV_IN_PLAIN) {
                 float4 v2 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 if (mv_in_two(in)) v2 = mv_ld4(in.x2, i, aligned2);
@@ -276,7 +284,12 @@ __device__ __forceinline__ void mv_stage(const float* __restrict__ x, const MvIn
             if ((i & (G - 1)) == 0) ssum[i / G] = s;
         }
     }
-    __syncthreads();
+    if (ssq) {
+        sq = block_sum(sq, mv_sq);  // ends with __syncthreads
+        if (threadIdx.x == 0) *ssq = sq;
+    } else {
+        __syncthreads();
+    }
 }
 
 // Tile layouts of the tiled core. MV_PLAIN: tile t is rows 4t..4t+3 of matrix `a`. MV_GATE_UP:
@@ -326,7 +339,7 @@ __device__ __forceinline__ void mv_load(const MvMat& a, const MvMat& bm, int til
 template <int BITS, int MODE, class Emit>
 __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const float* __restrict__ x, const MvIn in,
                                         int rows, int C, int Cs, int gpr, int gshift, int L, int blk, int nblk,
-                                        Emit emit) {
+                                        Emit emit, float* ssq = nullptr) {
     typedef MvFmt<BITS> F;
     extern __shared__ float4 mv_smem[];
     __shared__ float red[32][MV_R];
@@ -362,7 +375,7 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
         const int tile = pass * tpu + sub, c = lt;
         mv_load<BITS, MODE>(a, bm, tile, c, more && tile < ntiles && c < Cs, rows, C, gpr, gshift, wc, sbc);
     }
-    mv_stage<BITS>(x, in, sx4, ssum, cols);
+    mv_stage<BITS>(x, in, sx4, ssum, cols, ssq);
 
     float tot[MV_R];
 #pragma unroll
@@ -478,15 +491,29 @@ __device__ __forceinline__ void matvec_tiled(const u32* __restrict__ W, const u1
 // columns of x and writes its sums into the scratch (slice-major, r_p floats per slice); the last
 // block of the part to finish (a counter per part at the head of the scratch, reset by that block)
 // adds the slices up in slice order, so the result does not depend on which block ran when.
+//
+// With a norm (MvNorm, group > 0: the hyper-connection read's zero-centred RMSNorm folded into its
+// projections), x is the raw residual and the transform is MV_IN_ONE_PLUS (x (1 + w)); every slice
+// lies inside one group of `group` inputs (the host splits so), the slice's first block writes the
+// slice's sum of x^2 into the scratch, and the last block scales each slice's partial sums by its
+// group's 1 / rms = rsqrt(sum x^2 / group + eps) as it adds them up: W (x / rms (1 + w)) without
+// the normalised vector. Part 0's last block also writes the groups' 1 / rms to `inv` (may be null).
 #define MV_PARTS 4
 #define MV_SCRATCH_HEAD 64       // floats before the partial sums (the counters)
 #define MV_PART_FLOATS 16384     // partial sums per part (r_p k_p at most)
+#define MV_MAX_SLICES 32         // column slices per part at most (the sums of squares after the partial sums)
 
-template <int BITS>
+struct MvNorm {
+    int group;
+    float eps;
+    float* inv;
+};
+
+template <int BITS, bool NORM>
 __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, const MvIn in, int cols, int gs,
                                                  float* scratch,
                                                  const u32* W, const u16* S, const u16* B, float* y, int rows, int L,
-                                                 int nb, int ks) {
+                                                 int nb, int ks, const MvNorm nrm) {
     typedef MvFmt<BITS> F;
     if ((int)blockIdx.x >= nb * ks) return;  // the whole block: nothing has synchronised yet
     const int p = blockIdx.y;
@@ -497,13 +524,16 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
     float* part = scratch + MV_SCRATCH_HEAD + (size_t)p * MV_PART_FLOATS;
     float* dst = ks == 1 ? y : part + (size_t)slice * rows;
     const size_t j0 = (size_t)c0 * F::CPC;
+    float* ssq_all = scratch + MV_SCRATCH_HEAD + (size_t)MV_PARTS * MV_PART_FLOATS + (size_t)p * MV_MAX_SLICES;
+    float* ssq = (NORM && nrm.group > 0 && blk == 0) ? ssq_all + slice : nullptr;
     mv_core<BITS, MV_PLAIN>(a, a, x + j0, mv_in_offset(in, j0), rows, C, Cs, gpr, gshift, L, blk, nb,
                             [&](int tile, const float* v) {
 #pragma unroll
                                 for (int i = 0; i < MV_R; i++) {
                                     if (tile * MV_R + i < rows) dst[tile * MV_R + i] = v[i];
                                 }
-                            });
+                            },
+                            ssq);
     if (ks > 1) {
         __shared__ int mv_last;
         unsigned* counter = (unsigned*)scratch + p;
@@ -514,9 +544,28 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
         if (mv_last) {
             __threadfence();
             const volatile float* vp = part;
+            __shared__ float mv_scale[MV_MAX_SLICES];
+            if (NORM && nrm.group > 0) {
+                // Slice k's group and that group's 1 / rms (its slices' sums in slice order).
+                const int width = Cs * F::CPC, per = nrm.group / width;
+                if ((int)threadIdx.x < ks) {
+                    const int k = threadIdx.x, g0s = (k / per) * per;
+                    const volatile float* vq = ssq_all;
+                    float sq = 0.0f;
+                    for (int i = 0; i < per; i++) sq += vq[g0s + i];
+                    const float inv = rsqrtf(sq / (float)nrm.group + nrm.eps);
+                    mv_scale[k] = inv;
+                    if (p == 0 && nrm.inv && k == g0s) nrm.inv[k / per] = inv;
+                }
+                __syncthreads();
+            }
             for (int r = threadIdx.x; r < rows; r += blockDim.x) {
                 float s = 0.0f;
-                for (int k = 0; k < ks; k++) s += vp[(size_t)k * rows + r];
+                if (NORM && nrm.group > 0) {
+                    for (int k = 0; k < ks; k++) s += mv_scale[k] * vp[(size_t)k * rows + r];
+                } else {
+                    for (int k = 0; k < ks; k++) s += vp[(size_t)k * rows + r];
+                }
                 y[r] = s;
             }
             if (threadIdx.x == 0) *counter = 0u;
@@ -533,47 +582,53 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
         int b##i, int g##i
 #define MV_SEL(v) (p == 0 ? v##0 : p == 1 ? v##1 : p == 2 ? v##2 : v##3)
 // (x2, xs, op): the input transform (MV_IN_*), applied to every part's x.
+// (norm_group, norm_eps, norm_inv): the folded norm (MvNorm; norm_group 0: none).
 #define MATVEC_MANY_ARGS                                                                                      \
     const float *x, const float *x2, float xs, int op, int cols, float *scratch, MV_PART_ARGS(0), MV_PART_ARGS(1), \
-        MV_PART_ARGS(2), MV_PART_ARGS(3)
-#define MATVEC_MANY_PART(B)                                                                                   \
-    matvec_many_part<B>(x, MvIn{x2, xs, op}, cols, MV_SEL(g), scratch, MV_SEL(W), MV_SEL(S), MV_SEL(Bi),      \
-                        MV_SEL(y), MV_SEL(r), MV_SEL(l), MV_SEL(n), MV_SEL(k))
+        MV_PART_ARGS(2), MV_PART_ARGS(3), int norm_group, float norm_eps, float *norm_inv
+#define MATVEC_MANY_PART(B, NORM)                                                                             \
+    matvec_many_part<B, NORM>(x, MvIn{x2, xs, op}, cols, MV_SEL(g), scratch, MV_SEL(W), MV_SEL(S), MV_SEL(Bi),      \
+                        MV_SEL(y), MV_SEL(r), MV_SEL(l), MV_SEL(n), MV_SEL(k),                               \
+                        MvNorm{norm_group, norm_eps, norm_inv})
 extern "C" __global__ void __launch_bounds__(256, 2) matvec_many(MATVEC_MANY_ARGS) {
     const int p = blockIdx.y;
     grid_enter();
     switch (MV_SEL(b)) {
         case 2:
-            MATVEC_MANY_PART(2);
+            MATVEC_MANY_PART(2, true);
             break;
         case 4:
-            MATVEC_MANY_PART(4);
+            MATVEC_MANY_PART(4, true);
             break;
         default:
-            MATVEC_MANY_PART(8);
+            MATVEC_MANY_PART(8, true);
             break;
     }
 }
 
-// matvec_many for parts of 4 and 8 bits only: without the 2-bit instantiation the kernel fits the
-// register budget of 3 blocks of 256 threads per multiprocessor (DevLinear's planning knows it).
+// matvec_many for parts of 4 and 8 bits only and no folded norm (its norm arguments are ignored):
+// without the 2-bit instantiation and the norm the kernel fits the register budget of 3 blocks of
+// 256 threads per multiprocessor (DevLinear's planning knows it).
 extern "C" __global__ void __launch_bounds__(256, 3) matvec_many_48(MATVEC_MANY_ARGS) {
     const int p = blockIdx.y;
     grid_enter();
     if (MV_SEL(b) == 4) {
-        MATVEC_MANY_PART(4);
+        MATVEC_MANY_PART(4, false);
     } else {
-        MATVEC_MANY_PART(8);
+        MATVEC_MANY_PART(8, false);
     }
 }
 
 // The hyper-connection read's up projection and mix in one launch (4 streams): the tiled core in
 // MV_STREAMS tiles over W_up [4 H, r] and in(x) (the transform: silu(low / hc)), and each finished
 // tile t writes out[t] = mean over streams s of sigmoid(mix_s[t]) * normed[s H + t], the
-// expression of hc_mix (ops.cu), without storing the mix.
+// expression of hc_mix (ops.cu), without storing the mix. With `inv` (the streams' 1 / rms, from a
+// matvec_many with the norm folded in) normed is not stored either: normed[i] = xr[i] inv[s]
+// (1 + w[i]), the expression of rmsnorm_zc (ops.cu), from the residual xr and the norm weight w.
 template <int BITS>
 __device__ __forceinline__ void hc_up_mix_impl(const u32* W, const u16* S, const u16* B, const float* x, const MvIn in,
-                                               const float* normed, float* out, int H, int cols, int gs, int L) {
+                                               const float* normed, const float* xr, const float* w,
+                                               const float* inv, float* out, int H, int cols, int gs, int L) {
     typedef MvFmt<BITS> F;
     const int C = cols / F::CPC, gpr = cols / gs, gshift = __ffs(gs) - 1;
     const MvMat a{(const uint4*)W, S, B};
@@ -581,25 +636,30 @@ __device__ __forceinline__ void hc_up_mix_impl(const u32* W, const u16* S, const
                               [&](int t, const float* v) {
                                   float acc = 0.0f;
 #pragma unroll
-                                  for (int s = 0; s < MV_R; s++) acc += sigmoidf_(v[s]) * normed[(size_t)s * H + t];
+                                  for (int s = 0; s < MV_R; s++) {
+                                      const size_t i = (size_t)s * H + t;
+                                      const float n = inv ? xr[i] * inv[s] * (1.0f + w[i]) : normed[i];
+                                      acc += sigmoidf_(v[s]) * n;
+                                  }
                                   out[t] = acc / (float)MV_R;
                               });
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2)
     hc_up_mix(const u32* W, const u16* S, const u16* B, const float* x, const float* x2, float xs, int op,
-              const float* normed, float* out, int H, int cols, int gs, int bits, int L) {
+              const float* normed, float* out, int H, int cols, int gs, int bits, int L, const float* xr,
+              const float* w, const float* inv) {
     grid_enter();
     const MvIn in{x2, xs, op};
     switch (bits) {
         case 2:
-            hc_up_mix_impl<2>(W, S, B, x, in, normed, out, H, cols, gs, L);
+            hc_up_mix_impl<2>(W, S, B, x, in, normed, xr, w, inv, out, H, cols, gs, L);
             break;
         case 4:
-            hc_up_mix_impl<4>(W, S, B, x, in, normed, out, H, cols, gs, L);
+            hc_up_mix_impl<4>(W, S, B, x, in, normed, xr, w, inv, out, H, cols, gs, L);
             break;
         default:
-            hc_up_mix_impl<8>(W, S, B, x, in, normed, out, H, cols, gs, L);
+            hc_up_mix_impl<8>(W, S, B, x, in, normed, xr, w, inv, out, H, cols, gs, L);
             break;
     }
 }
