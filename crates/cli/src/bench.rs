@@ -81,8 +81,8 @@ pub struct BenchArgs {
     #[arg(long, default_value = "auto", value_name = "THREADS")]
     pub cpu_experts: String,
     /// Only the cases that compare two builds: every expert resident (with and without CUDA
-    /// graphs, and at half the depth) and the budget's pinned streaming; no policy study and no
-    /// peer. Writes bench-<date>-quick.md.
+    /// graphs, and at half the depth) and the budget's pinned streaming (with and without the
+    /// lookahead); no policy study and no peer. Writes bench-<date>-quick.md.
     #[arg(long)]
     pub quick: bool,
 }
@@ -99,6 +99,8 @@ struct Spec {
     pin: bool,
     depth: usize,
     cpu: Option<usize>,
+    /// Read the MoE blocks' events after each step (their anatomy; costs host time between steps).
+    anatomy: bool,
 }
 
 /// What one case measured.
@@ -151,13 +153,13 @@ fn anatomy_table(cases: &[Case]) -> String {
         return String::new();
     }
     let mut md = String::from(
-        "\nWhere a MoE block's time goes on the GPU (CUDA events; mean ms per block, from the router's routing being ready; the copy columns over blocks whose misses were copied from the pinned file, the read experts over blocks with misses):\n\n| case | blocks (with misses) | router to router (one layer) | router to resident experts | resident experts | router to first copy | copies (first start to last end) | last copy to read experts | read experts |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+        "\nWhere a MoE block's time goes on the GPU (CUDA events; mean ms per block, from the router's routing being ready; the copy columns over blocks whose misses were copied from the pinned file, the read experts over blocks with misses):\n\n| case | blocks (with misses) | router to router (one layer) | router to resident experts | resident experts | router to first copy | host: router seen to copies queued | copies (first start to last end) | last copy end to read experts' end | read experts |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
     );
     let per = |ns: u64, n: u64| if n == 0 { "-".to_string() } else { format!("{:.3}", ns as f64 / 1e6 / n as f64) };
     for k in timed {
         let a = &k.anatomy;
         md.push_str(&format!(
-            "| {} | {} ({}) | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} ({}) | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             k.name,
             a.blocks,
             a.blocks_missing,
@@ -165,8 +167,9 @@ fn anatomy_table(cases: &[Case]) -> String {
             per(a.to_resident_ns, a.blocks),
             per(a.resident_ns, a.blocks),
             per(a.to_copy_ns, a.copies_timed),
+            per(a.host_turn_ns, a.blocks_missing),
             per(a.copy_ns, a.copies_timed),
-            per(a.copy_to_read_ns, a.copies_timed),
+            per(a.copy_to_read_end_ns, a.copies_timed),
             per(a.read_ns, a.blocks_missing)
         ));
     }
@@ -290,7 +293,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     let prompt = prompt_tokens(&store.dir, &tok, None, "Explain hash collisions.", false)?;
     let experts_file = store.dir.join(&store.manifest.experts.file);
     let run_case = |name: &str, spec: Spec| -> Result<Case> {
-        let Spec { slots, cold, graphs, cut, lookahead, pin, depth, cpu } = spec;
+        let Spec { slots, cold, graphs, cut, lookahead, pin, depth, cpu, anatomy } = spec;
         if cold {
             drop_page_cache(&experts_file)?;
         }
@@ -306,6 +309,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         model.cut_weak = cut;
         model.lookahead = lookahead;
         model.depth = depth;
+        model.anatomy = anatomy;
         if let Some(threads) = cpu {
             model.set_cpu_experts(threads, &|_| {})?;
         }
@@ -373,6 +377,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         pin: false,
         depth: layers,
         cpu: None,
+        anatomy: args.quick,
     };
     let pinned = Spec { slots: streamed_slots, pin: true, ..resident };
     let g = &args.gpu_memory;
@@ -386,12 +391,13 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             run_case("all experts resident", resident)?,
             run_case("all experts resident, no CUDA graphs", Spec { graphs: false, ..resident })?,
             run_case(&format!("{g} budget, page cache warm, expert file pinned"), pinned)?,
+            run_case(&format!("{g} budget, pinned, no lookahead"), Spec { lookahead: false, ..pinned })?,
             run_case(
                 &format!("all experts resident, first {} layers only", layers / 2),
                 Spec { depth: (layers / 2).max(1), ..resident },
             )?,
         ];
-        let per_token_ms = per_token_part(1e3 / cases[0].tok_s, layers, 1e3 / cases[3].tok_s, cases[3].depth);
+        let per_token_ms = per_token_part(1e3 / cases[0].tok_s, layers, 1e3 / cases[4].tok_s, cases[4].depth);
         let mut md = format!(
             "# Decode benchmark (quick), {}\n\nCommand: `cherenkov bench --quick --layers {} --tokens {} --gpu-memory {} --synthetic-routing {}`  \nGPU: {}; device copy {:.0} GB/s, pinned host-to-device {:.1} GB/s (measured).\n\n",
             today(),
@@ -428,7 +434,9 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     }
     let mut cases = vec![
         run_case("all experts resident", resident)?,
-        run_case("all experts resident, no CUDA graphs", Spec { graphs: false, ..resident })?,
+        // Its blocks' anatomy is the reference for the streamed one's (below); resident blocks
+        // read few events.
+        run_case("all experts resident, no CUDA graphs", Spec { graphs: false, anatomy: true, ..resident })?,
         run_case(&format!("{g} budget, page cache warm, expert file pinned"), pinned)?,
         run_case(&format!("{g} budget, page cache cold (read by the CPU)"), Spec { cold: true, pin: false, ..pinned })?,
         run_case(
@@ -453,6 +461,9 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         &format!("{g} budget, read by the CPU (not pinned), --cpu-experts {cpu_threads}"),
         Spec { cpu: Some(cpu_threads), pin: false, ..pinned },
     )?);
+    // The pinned case again with its blocks' anatomy (the event reads between steps would slow
+    // the cases above).
+    cases.push(run_case(&format!("{g} budget, pinned, blocks timed"), Spec { anatomy: true, ..pinned })?);
 
     // Roofline.
     let (_, dense_read) = dense_bytes(&c, store.manifest.mtp_layers);

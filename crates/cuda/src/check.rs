@@ -415,8 +415,8 @@ fn tiled_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
         let out = gpu.alloc(entries.len() * h * 4, "check out")?;
         let io = crate::weights::ExpertIo { x: dx.ptr, act: act.ptr, out: out.ptr };
         // Entry 0 alone, then entries 1 and 2 (a nonzero `first`), as the streaming path does.
-        crate::weights::launch_experts(gpu, &layout, record_bytes, dtable.ptr, 0, 1, io, (inter, h))?;
-        crate::weights::launch_experts(gpu, &layout, record_bytes, dtable.ptr, 1, 2, io, (inter, h))?;
+        crate::weights::launch_experts(gpu, &layout, record_bytes, dtable.ptr, 0, 1, io, (inter, h), &mut || Ok(()))?;
+        crate::weights::launch_experts(gpu, &layout, record_bytes, dtable.ptr, 1, 2, io, (inter, h), &mut || Ok(()))?;
         let (mut want_act, mut want_out) = (Vec::new(), Vec::new());
         for &e in &entries {
             let (g, u, d) = &mats[e];

@@ -98,12 +98,17 @@ pub struct BlockAnatomy {
     pub to_resident_ns: u64,
     pub resident_ns: u64,
     /// Blocks with misses: router ready to the first miss's copy start; first copy start to last
-    /// copy end; last copy end to the read experts' first kernel; those kernels.
+    /// copy end; last copy end to the read experts' end (what the block spends after its last byte
+    /// landed); the read experts' kernels (from the first's start: they may start before the
+    /// last copy ends).
     pub copies_timed: u64,
     pub to_copy_ns: u64,
     pub copy_ns: u64,
-    pub copy_to_read_ns: u64,
+    pub copy_to_read_end_ns: u64,
     pub read_ns: u64,
+    /// Host time from the router-ready wait's return to the lease (the misses' copies queued),
+    /// over the blocks with misses.
+    pub host_turn_ns: u64,
     /// Router ready to the next block's router ready (blocks followed by one in the same step):
     /// one layer, and how many were measured.
     pub spans: u64,
@@ -119,8 +124,9 @@ impl BlockAnatomy {
         self.copies_timed += o.copies_timed;
         self.to_copy_ns += o.to_copy_ns;
         self.copy_ns += o.copy_ns;
-        self.copy_to_read_ns += o.copy_to_read_ns;
+        self.copy_to_read_end_ns += o.copy_to_read_end_ns;
         self.read_ns += o.read_ns;
+        self.host_turn_ns += o.host_turn_ns;
         self.spans += o.spans;
         self.span_ns += o.span_ns;
     }
@@ -219,6 +225,9 @@ pub(crate) struct MoeStep<'p> {
     /// Timed blocks in step order (their router-ready events recorded): the MoE layer and the
     /// slots its read experts were copied into.
     blocks: Vec<(usize, Vec<usize>)>,
+    /// Host time from the router-ready waits' return to the leases, over the timed blocks with
+    /// misses (ns).
+    host_turn_ns: u64,
     wait_ns: u64,
     start: std::time::Instant,
     /// Host time until everything up to the logits was queued.
@@ -244,6 +253,7 @@ impl MoeStep<'_> {
             read_timed: Vec::new(),
             gpu_waited: Vec::new(),
             blocks: Vec::new(),
+            host_turn_ns: 0,
             wait_ns: 0,
             start: std::time::Instant::now(),
             queued_ns: None,
@@ -276,6 +286,9 @@ pub struct CudaModel {
     /// step of the same weights to tell the time per layer from the time per token (lm_head,
     /// sampling). A shallower step's outputs are not the model's.
     pub depth: usize,
+    /// Read every timed MoE block's events after its step into [`StepTiming::anatomy`] (the
+    /// bench): about ten event-time reads per block on the host between steps.
+    pub anatomy: bool,
     /// Captured steps and what each was captured for (the most recently used last).
     graph: Mutex<Vec<(GraphKey, Graph)>>,
     predicted: Mutex<Vec<Option<Vec<usize>>>>,
@@ -353,6 +366,11 @@ impl CudaModel {
         for l in &store.manifest.experts.layers {
             expert_kernels(l)?;
         }
+        // Copies from a pinned expert file land the gate and up projections first, where the
+        // records' layout puts them ahead of the down projection.
+        if std::env::var_os("CHERENKOV_WHOLE_COPIES").is_none() {
+            pool.memory().set_front_bytes(front_bytes(&store.manifest.experts.layers));
+        }
         if c.num_experts > 1024 || c.num_experts_per_tok > 64 || c.num_experts_per_tok > c.num_experts {
             bail!(
                 "{} experts top-{}: the CUDA router handles at most 1024 experts and top-64",
@@ -421,6 +439,7 @@ impl CudaModel {
             cpu_experts: None,
             graphs: std::env::var_os("CHERENKOV_NO_GRAPHS").is_none(),
             depth: c.num_hidden_layers,
+            anatomy: false,
             graph: Mutex::new(Vec::new()),
             predicted,
             timing: Mutex::new(StepTiming::default()),
@@ -719,8 +738,11 @@ impl CudaModel {
             self.pool.record_compute(l, ns);
             experts_ns += ns;
         }
-        let anatomy =
-            if st.untimed { BlockAnatomy::default() } else { self.block_anatomy(mb, &st.blocks, &st.read_timed)? };
+        let anatomy = if st.untimed || !self.anatomy {
+            BlockAnatomy::default()
+        } else {
+            BlockAnatomy { host_turn_ns: st.host_turn_ns, ..self.block_anatomy(mb, &st.blocks, &st.read_timed)? }
+        };
         self.add_timing(|t| {
             t.anatomy.add(&anatomy);
             t.wait_ns += st.wait_ns + gpu_wait_ns;
@@ -760,15 +782,15 @@ impl CudaModel {
             // The copies' window, where every slot's events still describe this block's copy (a
             // later copy into the slot in this step, or a copy that never ran, leaves it out).
             let windows: Option<Vec<(f32, f32)>> = slots.iter().map(|&s| mem.copy_window(s, &ev[0])).collect();
-            let read_start = ev[3].since(&ev[0])?;
+            let read_end = ev[4].since(&ev[0])?;
             if let Some(w) = windows.filter(|w| !w.is_empty()) {
                 let first = w.iter().map(|x| x.0).fold(f32::INFINITY, f32::min);
                 let last = w.iter().map(|x| x.1).fold(f32::NEG_INFINITY, f32::max);
-                if first >= 0.0 && last <= read_start {
+                if first >= 0.0 && last <= read_end {
                     a.copies_timed += 1;
                     a.to_copy_ns += ns(first);
                     a.copy_ns += ns(last - first);
-                    a.copy_to_read_ns += ns(read_start - last);
+                    a.copy_to_read_end_ns += ns(read_end - last);
                 }
             }
             a.read_ns += ns(ev[4].since(&ev[3])?);
@@ -1329,7 +1351,7 @@ impl CudaModel {
                 g.record(&ev[1])?;
                 st.blocks.push((l, Vec::new()));
             }
-            self.launch_experts(sc, layout, table, 0, k)?;
+            self.launch_experts(sc, layout, table, 0, k, &mut || Ok(()))?;
             combine(g)?;
             if !st.untimed {
                 g.record(&ev[2])?;
@@ -1343,6 +1365,7 @@ impl CudaModel {
         }
         // 1. Router ready.
         ev[0].wait()?;
+        let awake = std::time::Instant::now();
         // Every kernel queued before this router has finished, those of the previous lease too.
         st.pending = None;
         // SAFETY: the router kernel that wrote these has finished (ev[0]); nothing writes them now.
@@ -1378,6 +1401,12 @@ impl CudaModel {
         } else {
             self.pool.acquire(l, &gpu_experts)?
         };
+        let turn_ns = awake.elapsed().as_nanos() as u64;
+        // The misses' back parts (their down projections) behind every front (the lease queued the
+        // fronts), so the read experts' gate/up kernel can start before they land.
+        if background {
+            mem.queue_backs()?;
+        }
         if !cpu_ranks.is_empty() {
             let ids: Vec<usize> = cpu_ranks.iter().map(|&r| experts[r]).collect();
             self.pool.record_cpu_computed(l, &ids);
@@ -1394,6 +1423,9 @@ impl CudaModel {
         unsafe { self.write_entries(mb, l, &lease, &gpu_ranks, &order, n_gpu, &cpu_ranks)? };
         if !st.untimed {
             st.blocks.push((l, order[hits..].iter().map(|&i| entries[i].slot).collect()));
+            if hits < n_gpu {
+                st.host_turn_ns += turn_ns;
+            }
         }
         // 3. The resident experts' kernels run while the reads finish (a resident record may be a
         // prefetch whose copy is still running: the stream waits for it).
@@ -1401,7 +1433,7 @@ impl CudaModel {
             mem.await_slot(entries[i].slot)?;
         }
         g.record(&ev[1])?;
-        self.launch_experts(sc, layout, table, 0, hits)?;
+        self.launch_experts(sc, layout, table, 0, hits, &mut || Ok(()))?;
         g.record(&ev[2])?;
         // The lookahead's reads, behind this block's misses.
         if ahead_of.is_some() {
@@ -1416,10 +1448,11 @@ impl CudaModel {
                 None => n_gpu,
             };
             // With copies in the background the host only waits for them to be queued; the stream
-            // waits for the copies themselves.
+            // waits for the copies themselves: for the gate and up projections first (the copies'
+            // fronts, queued before every back part), then, between the two kernels, for the rest.
             for &i in &order[hits..kept] {
                 lease.wait(i)?;
-                mem.await_slot(entries[i].slot)?;
+                mem.await_front(entries[i].slot)?;
             }
             st.cut += (n_gpu - kept) as u64;
             if background {
@@ -1429,7 +1462,13 @@ impl CudaModel {
             }
             if kept > hits {
                 g.record(&ev[3])?;
-                self.launch_experts(sc, layout, table, hits, kept - hits)?;
+                let mut backs = || -> Result<()> {
+                    for &i in &order[hits..kept] {
+                        mem.await_slot(entries[i].slot)?;
+                    }
+                    Ok(())
+                };
+                self.launch_experts(sc, layout, table, hits, kept - hits, &mut backs)?;
                 st.read_timed.push(l);
             } else {
                 // Nothing left to time: an empty interval.
@@ -1664,11 +1703,21 @@ impl CudaModel {
     }
 
     /// Queues the gate/up and down kernels of table entries `first..first + n`.
-    fn launch_experts(&self, sc: &Scratch, layout: &ExpertLayout, table: u64, first: usize, n: usize) -> Result<()> {
+    /// The gate/up then the down kernel of table entries `first..first + n`; `between` runs between
+    /// the two launches (the read experts' stream waits for their down projections' copies there).
+    fn launch_experts(
+        &self,
+        sc: &Scratch,
+        layout: &ExpertLayout,
+        table: u64,
+        first: usize,
+        n: usize,
+        between: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
         let c = self.config();
         let io = crate::weights::ExpertIo { x: sc.inp.ptr, act: sc.act.ptr, out: sc.eout.ptr };
         let dims = (c.moe_intermediate_size, c.hidden_size);
-        crate::weights::launch_experts(&self.gpu, layout, self.store.record_bytes(), table, first, n, io, dims)
+        crate::weights::launch_experts(&self.gpu, layout, self.store.record_bytes(), table, first, n, io, dims, between)
     }
 
     /// Scores the last prediction for layer `l` against `actual`; then takes the lookahead's
@@ -1690,6 +1739,22 @@ impl CudaModel {
         pred[nl] = Some(guess);
         Ok(())
     }
+}
+
+/// Where a record splits into the gate and up projections (every piece of them before it) and the
+/// down projection (every piece of it at or after it), the same for every layer; 0 where the
+/// layouts do not split so.
+fn front_bytes(layers: &[ExpertLayout]) -> usize {
+    let spans = |m: &RecordMatrix| [Some(m.data), m.scales, m.biases].into_iter().flatten().collect::<Vec<_>>();
+    let mut front = u64::MAX;
+    let mut gate_up_end = 0u64;
+    for l in layers {
+        for m in [&l.gate_proj, &l.up_proj] {
+            gate_up_end = gate_up_end.max(spans(m).iter().map(|s| s.offset + s.len).max().unwrap_or(0));
+        }
+        front = front.min(spans(&l.down_proj).iter().map(|s| s.offset).min().unwrap_or(0));
+    }
+    if layers.is_empty() || gate_up_end > front { 0 } else { front as usize }
 }
 
 /// The precision tag of a layer's address-table entries.
@@ -1765,5 +1830,42 @@ impl Backend for CudaModel {
 
     fn expert_stats(&self, layer: usize) -> Option<Vec<ExpertStats>> {
         self.pool.expert_stats(layer)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cherenkov_model::store::Span;
+
+    fn matrix(data: (u64, u64), scales: (u64, u64)) -> RecordMatrix {
+        RecordMatrix {
+            shape: [8, 64],
+            precision: Precision::Affine { bits: 4, group_size: 64 },
+            data: Span { offset: data.0, len: data.1 },
+            scales: Some(Span { offset: scales.0, len: scales.1 }),
+            biases: None,
+        }
+    }
+
+    fn layout(gate: u64, up: u64, down: u64) -> ExpertLayout {
+        ExpertLayout {
+            layer: "layers.0".into(),
+            gate_proj: matrix((gate, 100), (gate + 100, 20)),
+            up_proj: matrix((up, 100), (up + 100, 20)),
+            down_proj: matrix((down, 100), (down + 100, 20)),
+        }
+    }
+
+    #[test]
+    fn records_split_where_the_down_projection_starts_in_every_layer() {
+        assert_eq!(front_bytes(&[layout(0, 128, 256)]), 256);
+        // The earliest down projection of all layers, as long as every gate/up ends before it.
+        assert_eq!(front_bytes(&[layout(0, 128, 256), layout(0, 120, 248)]), 248);
+        // A layer whose gate/up reach past another layer's down start: no split.
+        assert_eq!(front_bytes(&[layout(0, 128, 256), layout(0, 200, 400)]), 0);
+        // The down projection first: no split.
+        assert_eq!(front_bytes(&[layout(128, 256, 0)]), 0);
+        assert_eq!(front_bytes(&[]), 0);
     }
 }

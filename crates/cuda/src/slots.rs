@@ -16,7 +16,7 @@
 //! is queued behind the earlier one.
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -147,14 +147,33 @@ pub struct DeviceSlots {
     pinned: Option<PinnedExperts>,
     /// Per slot, the last copy from the pinned file, while it may still be running.
     copies: Vec<Mutex<SlotCopy>>,
+    /// The copy stream of copies from the pinned file (made at first use). One stream: copies
+    /// run one after another in the order they were queued (four streams taken in turn copied a
+    /// block's misses no sooner on the H200 host: the link was the limit).
+    copy_stream: Mutex<Option<sys::CUstream>>,
+    /// Bytes at the head of a record that hold everything but the down projection (0: records are
+    /// copied whole), and the slots whose back part waits to be queued, oldest first.
+    front_bytes: AtomicUsize,
+    backs: Mutex<Vec<usize>>,
 }
 
-/// A slot's copy events (made at its first copy from the pinned file) and whether the last copy
-/// has not yet been seen complete.
+/// A slot's copy events (made at its first copy from the pinned file: start, front landed, end),
+/// whether the last copy has not yet been seen complete, and the record's back part while its
+/// copy is not queued yet (see [`DeviceSlots::set_front_bytes`]).
 #[derive(Default)]
 struct SlotCopy {
-    events: Option<(sys::CUevent, sys::CUevent)>,
+    events: Option<[sys::CUevent; 3]>,
     pending: bool,
+    back: Option<Back>,
+}
+
+/// The back part of a record copied from the pinned file, not queued yet: its source in the
+/// pinned mapping (which lives as long as the slots) and its place in the slot.
+#[derive(Clone, Copy)]
+struct Back {
+    src: *const u8,
+    len: usize,
+    dst: u64,
 }
 
 /// One concurrent load's staging buffer, copy stream and copy timing events.
@@ -198,7 +217,63 @@ impl DeviceSlots {
             split: Default::default(),
             pinned: None,
             copies: (0..slot_count).map(|_| Mutex::new(SlotCopy::default())).collect(),
+            copy_stream: Mutex::new(None),
+            front_bytes: AtomicUsize::new(0),
+            backs: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Copies from the pinned file in two parts from now on: the first `front` bytes of a record
+    /// (its gate and up projections) when it is loaded, the rest (its down projection) when
+    /// [`DeviceSlots::queue_backs`] is called, or when something waits for the whole record. A
+    /// block's fronts then land before any of its backs, and its gate/up kernel can run while the
+    /// backs are copied ([`DeviceSlots::await_front`]). 0 (or the record's size) copies records
+    /// whole.
+    pub fn set_front_bytes(&self, front: usize) {
+        let front = if front >= self.record_bytes { 0 } else { front };
+        self.front_bytes.store(front, Ordering::Relaxed);
+    }
+
+    /// Queues the copies of every back part waiting, oldest first (behind every front queued so
+    /// far, on the one copy stream).
+    pub fn queue_backs(&self) -> Result<()> {
+        let slots = std::mem::take(&mut *self.backs.lock().unwrap());
+        for s in slots {
+            let mut c = self.copies[s].lock().unwrap();
+            self.queue_back(&mut c)?;
+        }
+        Ok(())
+    }
+
+    /// Queues the slot's back part, if it waits, and records the copy's end.
+    fn queue_back(&self, c: &mut SlotCopy) -> Result<()> {
+        let Some(b) = c.back.take() else { return Ok(()) };
+        let [_, _, end] = c.events.expect("a slot with a back part has events");
+        let stream = self.copy_stream()?;
+        // SAFETY: b.src..b.src + b.len lies in the registered pinned mapping, which outlives the
+        // slots; b.dst is the last b.len bytes of the slot; the event belongs to this context.
+        unsafe {
+            let src = std::slice::from_raw_parts(b.src, b.len);
+            cu::memcpy_htod_async(b.dst, src, stream)
+                .map_err(|e| anyhow!("copy of a pinned expert record to the GPU failed: {e}"))?;
+            cu::event::record(end, stream).map_err(|e| anyhow!("cannot record an event: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// Makes the GPU's compute stream wait for the front part of the copy into `slot` (its gate
+    /// and up projections), if it may still be running; otherwise as [`DeviceSlots::await_slot`].
+    pub fn await_front(&self, slot: usize) -> Result<bool> {
+        let stream = self.gpu.stream;
+        let mut c = self.copies[slot].lock().unwrap();
+        if !self.settle(&mut c)? {
+            return Ok(false);
+        }
+        let [_, front, _] = c.events.expect("a pending copy has events");
+        // SAFETY: the event was recorded on the copy stream of this context; the wait is queued.
+        unsafe { cu::stream::wait_event(stream, front, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+            .map_err(|e| anyhow!("cannot make the stream wait for an expert copy: {e}"))?;
+        Ok(true)
     }
 
     /// Makes the GPU's compute stream wait for the copy into `slot`, if it may still be running (a
@@ -207,10 +282,17 @@ impl DeviceSlots {
     pub fn await_slot(&self, slot: usize) -> Result<bool> {
         let stream = self.gpu.stream;
         let mut c = self.copies[slot].lock().unwrap();
+        if c.back.is_some() {
+            // Every back part queued before this one first, so backs keep their order.
+            drop(c);
+            self.queue_backs()?;
+            c = self.copies[slot].lock().unwrap();
+            self.queue_back(&mut c)?;
+        }
         if !self.settle(&mut c)? {
             return Ok(false);
         }
-        let (_, end) = c.events.expect("a pending copy has events");
+        let [_, _, end] = c.events.expect("a pending copy has events");
         // SAFETY: the event was recorded on a copy stream of this context; the wait is queued.
         unsafe { cu::stream::wait_event(stream, end, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
             .map_err(|e| anyhow!("cannot make the stream wait for an expert copy: {e}"))?;
@@ -222,7 +304,7 @@ impl DeviceSlots {
     /// copy has not finished.
     pub fn copy_window(&self, slot: usize, since: &Event) -> Option<(f32, f32)> {
         let c = self.copies[slot].lock().unwrap();
-        let (start, end) = c.events?;
+        let [start, _, end] = c.events?;
         // SAFETY: events of this context; elapsed fails (None) unless both have completed.
         unsafe {
             let a = cu::event::elapsed(since.raw(), start).ok()?;
@@ -241,9 +323,10 @@ impl DeviceSlots {
     /// [`DeviceSlots::await_slot`], such as a replayed graph).
     pub fn sync_copies(&self) -> Result<()> {
         self.gpu.bind()?;
+        self.queue_backs()?;
         for c in &self.copies {
             let mut c = c.lock().unwrap();
-            if let (true, Some((_, end))) = (c.pending, c.events) {
+            if let (true, Some([_, _, end])) = (c.pending, c.events) {
                 // SAFETY: an event of this context.
                 unsafe { cu::event::synchronize(end) }.map_err(|e| anyhow!("an expert copy to the GPU failed: {e}"))?;
                 self.settle(&mut c)?;
@@ -252,10 +335,14 @@ impl DeviceSlots {
         Ok(())
     }
 
-    /// Whether the slot's last copy may still be running: a copy seen complete is accounted (its
-    /// GPU time) and no longer pending; a failed copy is an error.
+    /// Whether the slot's last copy may still be running (or its back part is not queued yet): a
+    /// copy seen complete is accounted (its GPU time) and no longer pending; a failed copy is an
+    /// error.
     fn settle(&self, c: &mut SlotCopy) -> Result<bool> {
-        let (true, Some((start, end))) = (c.pending, c.events) else { return Ok(false) };
+        if c.back.is_some() {
+            return Ok(true);
+        }
+        let (true, Some([start, _, end])) = (c.pending, c.events) else { return Ok(false) };
         // SAFETY: an event of this context.
         match unsafe { sys::cuEventQuery(end) } {
             sys::CUresult::CUDA_SUCCESS => {
@@ -390,6 +477,19 @@ impl DeviceSlots {
         self.buf.bytes
     }
 
+    /// The copy stream of copies from the pinned file (made at first use).
+    fn copy_stream(&self) -> Result<sys::CUstream> {
+        let mut stream = self.copy_stream.lock().unwrap();
+        if let Some(s) = *stream {
+            return Ok(s);
+        }
+        self.gpu.bind()?;
+        let s = cu::stream::create(cu::stream::StreamKind::NonBlocking)
+            .map_err(|e| anyhow!("cannot create a copy stream: {e}"))?;
+        *stream = Some(s);
+        Ok(s)
+    }
+
     fn take_staging(&self) -> Result<Staging> {
         if let Some(s) = self.staging.lock().unwrap().pop() {
             return Ok(s);
@@ -413,18 +513,20 @@ impl DeviceSlots {
     /// Queues the copy of a record from the pinned expert file (checked when it was pinned) into
     /// `slot` on the staging's stream, behind any earlier copy into the slot, and returns; readers
     /// of the slot wait for it with [`DeviceSlots::await_slot`].
-    fn copy_pinned(&self, slot: usize, src: &[u8], staging: &Staging) -> Result<()> {
-        let stream = staging.stream;
+    fn copy_pinned(&self, slot: usize, src: &[u8]) -> Result<()> {
+        let stream = self.copy_stream()?;
         let t0 = Instant::now();
         let mut c = self.copies[slot].lock().unwrap();
-        let (start, end) = match c.events {
+        // An earlier copy's back part still waiting goes first (its end is then recorded).
+        self.queue_back(&mut c)?;
+        let [start, front_landed, end] = match c.events {
             Some(e) => e,
             None => {
                 let event = || {
                     cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
                         .map_err(|e| anyhow!("cannot create a copy event: {e}"))
                 };
-                let e = (event()?, event()?);
+                let e = [event()?, event()?, event()?];
                 c.events = Some(e);
                 e
             }
@@ -434,13 +536,25 @@ impl DeviceSlots {
             unsafe { cu::stream::wait_event(stream, end, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
                 .map_err(|e| anyhow!("cannot order two copies into one slot: {e}"))?;
         }
+        let front = self.front_bytes.load(Ordering::Relaxed);
+        let split = front > 0 && front < src.len();
         // SAFETY: the slot holds record_bytes (= src.len()); src is registered host memory that
         // lives as long as these slots; the events belong to this context.
         unsafe {
             cu::event::record(start, stream).map_err(|e| anyhow!("cannot record an event: {e}"))?;
-            cu::memcpy_htod_async(self.slot_ptr(slot), src, stream)
+            let head = if split { &src[..front] } else { src };
+            cu::memcpy_htod_async(self.slot_ptr(slot), head, stream)
                 .map_err(|e| anyhow!("copy of a pinned expert record to the GPU failed: {e}"))?;
-            cu::event::record(end, stream).map_err(|e| anyhow!("cannot record an event: {e}"))?;
+            cu::event::record(front_landed, stream).map_err(|e| anyhow!("cannot record an event: {e}"))?;
+            if !split {
+                cu::event::record(end, stream).map_err(|e| anyhow!("cannot record an event: {e}"))?;
+            }
+        }
+        if split {
+            let rest = &src[front..];
+            c.back = Some(Back { src: rest.as_ptr(), len: rest.len(), dst: self.slot_ptr(slot) + front as u64 });
+            // Slot lock, then the list's: nothing takes them the other way round.
+            self.backs.lock().unwrap().push(slot);
         }
         c.pending = true;
         self.split[0].fetch_add(1, Ordering::Relaxed);
@@ -461,14 +575,12 @@ impl SlotMemory for DeviceSlots {
 
     fn load(&self, slot: usize, record: &dyn RecordSource) -> Result<()> {
         self.gpu.bind()?;
-        let staging = self.take_staging()?;
         let direct =
             self.pinned.as_ref().zip(record.location()).and_then(|(p, (dir, at))| p.record(dir, at, self.record_bytes));
         if let Some(src) = direct {
-            let result = self.copy_pinned(slot, src, &staging);
-            self.staging.lock().unwrap().push(staging);
-            return result;
+            return self.copy_pinned(slot, src);
         }
+        let staging = self.take_staging()?;
         let (pinned, stream) = (&staging.pinned, staging.stream);
         // SAFETY: the pinned buffer is len bytes, owned by this call until returned below.
         let host = unsafe { std::slice::from_raw_parts_mut(pinned.ptr, pinned.len) };
@@ -524,12 +636,19 @@ impl Drop for DeviceSlots {
         let _ = self.sync_copies();
         let _ = self.gpu.bind();
         for c in &self.copies {
-            if let Some((start, end)) = c.lock().unwrap().events {
+            if let Some(events) = c.lock().unwrap().events {
                 // SAFETY: created in copy_pinned, destroyed once; their copies have ended.
                 unsafe {
-                    let _ = cu::event::destroy(start);
-                    let _ = cu::event::destroy(end);
+                    for e in events {
+                        let _ = cu::event::destroy(e);
+                    }
                 }
+            }
+        }
+        if let Some(stream) = self.copy_stream.lock().unwrap().take() {
+            // SAFETY: made in copy_stream, destroyed once; its copies have ended (sync_copies).
+            unsafe {
+                let _ = cu::stream::destroy(stream);
             }
         }
         for st in self.staging.lock().unwrap().drain(..) {

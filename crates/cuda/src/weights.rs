@@ -697,6 +697,7 @@ pub fn launch_experts(
     n: usize,
     io: ExpertIo,
     dims: (usize, usize),
+    between: &mut dyn FnMut() -> Result<()>,
 ) -> Result<()> {
     if n == 0 {
         return Ok(());
@@ -765,6 +766,7 @@ pub fn launch_experts(
             Arg::U64(off(layout.up_proj.biases)),
         ],
     )?;
+    between()?;
     g.launch(
         &dk,
         (db, n as u32, 1),
