@@ -20,6 +20,21 @@ for d in data:
         tot[name] += v; cnt[name] += 1
     elif d.get('Metric Name') == 'dram__bytes_read.sum':
         byt[name] += v
+if '--launches' in sys.argv:
+    # Every launch in order: id, kernel, grid, block, time, DRAM bytes read.
+    per = collections.OrderedDict()
+    for d in data:
+        key = d.get('ID', str(len(per)))
+        e = per.setdefault(key, {'name': d['Kernel Name'].split('(')[0], 'grid': d.get('Grid Size', ''),
+                                 'block': d.get('Block Size', ''), 't': 0.0, 'b': 0.0})
+        v = float(d['Metric Value'].replace(',', '')) * SCALE.get(d.get('Metric Unit', ''), 1)
+        if d.get('Metric Name') == 'gpu__time_duration.sum':
+            e['t'] = v
+        elif d.get('Metric Name') == 'dram__bytes_read.sum':
+            e['b'] = v
+    for key, e in per.items():
+        print(f"{key:>6} {e['name']:28s} {e['grid']:>16s} {e['block']:>14s} {e['t']/1e3:9.2f} us {e['b']/1e6:9.3f} MB")
+    sys.exit(0)
 n = sum(cnt.values()); s = sum(tot.values())
 print(f"{n} kernels, {s/1e6:.3f} ms GPU time in total, {sum(byt.values())/1e6:.1f} MB read from DRAM")
 for k, v in sorted(tot.items(), key=lambda x: -x[1]):

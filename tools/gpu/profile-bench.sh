@@ -2,7 +2,8 @@
 # Per-kernel GPU time of resident decode on the benchmark's store (the released shape at 4 layers),
 # on the GPU machine: run tools/gpu/bench.sh first (it writes the store), carry the binary as for
 # tools/gpu/check.sh. Nsight Compute times each kernel alone, clocks left as they are; the launches
-# after the first $SKIP cover a few decode steps. Writes ncu-bench.csv and kernels-bench.txt into
+# after the first $SKIP cover a few decode steps. Writes ncu-bench.csv, kernels-bench.txt (per
+# kernel) and launches-bench.txt (every launch in order, with its grid) into
 # $OUT (or ./profile-out). CACHE=none keeps the caches between kernels (ncu flushes them by default,
 # which makes small kernels look slower than in a replayed step); the table then also gives each
 # kernel's DRAM bytes and bandwidth.
@@ -24,3 +25,4 @@ CACHE=${CACHE:-all}
   --csv --launch-skip "$SKIP" --launch-count "$COUNT" \
   "${RUN[@]}" >"$OUTDIR/ncu-bench.csv" 2>"$OUTDIR/ncu-bench.err"
 python3 "$(dirname "$0")/kernel_times.py" "$OUTDIR/ncu-bench.csv" | tee "$OUTDIR/kernels-bench.txt"
+python3 "$(dirname "$0")/kernel_times.py" "$OUTDIR/ncu-bench.csv" --launches >"$OUTDIR/launches-bench.txt"
