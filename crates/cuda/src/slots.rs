@@ -264,23 +264,26 @@ impl DeviceSlots {
     /// Makes the GPU's compute stream wait for the front part of the copy into `slot` (its gate
     /// and up projections), if it may still be running; otherwise as [`DeviceSlots::await_slot`].
     pub fn await_front(&self, slot: usize) -> Result<bool> {
-        let stream = self.gpu.stream;
         let mut c = self.copies[slot].lock().unwrap();
         if !self.settle(&mut c)? {
             return Ok(false);
         }
         let [_, front, _] = c.events.expect("a pending copy has events");
-        // SAFETY: the event was recorded on the copy stream of this context; the wait is queued.
-        unsafe { cu::stream::wait_event(stream, front, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-            .map_err(|e| anyhow!("cannot make the stream wait for an expert copy: {e}"))?;
+        self.stream_waits_for(front)?;
         Ok(true)
+    }
+
+    /// Queues a wait of the compute stream for `event` (recorded on the copy stream).
+    fn stream_waits_for(&self, event: sys::CUevent) -> Result<()> {
+        // SAFETY: the event was recorded on a copy stream of this context; the wait is queued.
+        unsafe { cu::stream::wait_event(self.gpu.stream, event, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+            .map_err(|e| anyhow!("cannot make the stream wait for an expert copy: {e}"))
     }
 
     /// Makes the GPU's compute stream wait for the copy into `slot`, if it may still be running (a
     /// load from the pinned expert file returns once the copy is queued). Call before queueing work
     /// that reads the slot. Returns whether the stream has to wait.
     pub fn await_slot(&self, slot: usize) -> Result<bool> {
-        let stream = self.gpu.stream;
         let mut c = self.copies[slot].lock().unwrap();
         if c.back.is_some() {
             // Every back part queued before this one first, so backs keep their order.
@@ -293,9 +296,7 @@ impl DeviceSlots {
             return Ok(false);
         }
         let [_, _, end] = c.events.expect("a pending copy has events");
-        // SAFETY: the event was recorded on a copy stream of this context; the wait is queued.
-        unsafe { cu::stream::wait_event(stream, end, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-            .map_err(|e| anyhow!("cannot make the stream wait for an expert copy: {e}"))?;
+        self.stream_waits_for(end)?;
         Ok(true)
     }
 
