@@ -621,7 +621,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         100.0 * cases[5].hit_rate,
         cases[2].share.map_or("-".to_string(), |s| format!("{:.1}%", 100.0 * s))
     ));
-    md.push_str("\nExpert loads in the timed part (how many were copied straight from the pinned expert file; mean per load: reading the record's pieces in parallel into pinned memory, none for a pinned file; the driver call queueing the copy; the checksum, while the copy to the GPU runs; then waiting for the copy; and the copy itself, timed by GPU events on its stream):\n\n| case | loads | from the pinned file | read ms | queue copy ms | checksum ms | copy wait ms | copy on the GPU ms |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n");
+    md.push_str("\nExpert loads in the timed part (how many were copied straight from the pinned expert file; mean per load: reading the record's pieces in parallel into pinned memory, none for a pinned file; the driver call queueing the copy; the checksum, while the copy to the GPU runs; then waiting for the copy; and the copy itself, timed by GPU events on its stream: for a copy in two parts, from its front's start to its back's end, other copies between):\n\n| case | loads | from the pinned file | read ms | queue copy ms | checksum ms | copy wait ms | copy on the GPU ms |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n");
     for k in cases.iter().filter(|k| k.loads.loads > 0) {
         let per = |ns: u64| ns as f64 / 1e6 / k.loads.loads as f64;
         md.push_str(&format!(

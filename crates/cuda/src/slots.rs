@@ -187,7 +187,9 @@ struct Staging {
 /// Where the loads' time went, summed over loads (ns): reading the pieces into pinned memory,
 /// queueing the copy (the driver call), checking the sum (while the copy runs), and waiting for the
 /// copy after that; and the copy as the GPU's events time it (from the point its stream reached it,
-/// which includes any wait for the copy engine behind other loads' copies, to its end). `direct`
+/// which includes any wait for the copy engine behind other loads' copies, to its end; for a copy
+/// in two parts, from the front's start to the back's end, which includes the other copies queued
+/// in between). `direct`
 /// counts the loads copied straight from the pinned expert file: no reading, no checksum, and no
 /// host wait (the copy runs in the background; its GPU time counts once it is seen complete).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
