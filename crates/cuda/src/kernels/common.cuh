@@ -17,7 +17,10 @@ typedef unsigned char u8;
 // Every kernel calls grid_wait() before it touches memory that earlier work writes, and before any
 // return (a grid that could finish before its predecessor would let its successor, which waits only
 // for it, read too early); then grid_release() lets the next kernel's blocks be scheduled into the
-// room this grid leaves. Older GPUs launch normally and the instructions compile to nothing.
+// room this grid leaves. Older GPUs launch normally and the instructions compile to nothing. The
+// dense tiled matvecs request their first weights before waiting (mv_core's EARLY in linear.cu):
+// dense weights are written once at load, never by earlier kernels, and a block scheduled while the
+// previous kernel ends has them in flight meanwhile.
 __device__ __forceinline__ void grid_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

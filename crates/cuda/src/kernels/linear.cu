@@ -336,7 +336,11 @@ __device__ __forceinline__ void mv_load(const MvMat& a, const MvMat& bm, int til
 // x being that slice's inputs (transformed by `in`, whose x2 is offset like x). `blk` of `nblk`
 // blocks share the tiles (grid stride). Each finished tile calls emit(tile, v) once, from one
 // thread, with the tile's 4 sums.
-template <int BITS, int MODE, class Emit>
+// EARLY: the caller has not waited for the previous kernel (grid_enter) yet; the core requests the
+// first step's weights first and then waits, so with programmatic dependent launch a block that is
+// scheduled before the previous kernel ends has its first weights in flight meanwhile. Only for
+// weights no earlier work writes (the dense matrices, uploaded at load; not expert slots).
+template <int BITS, int MODE, bool EARLY = false, class Emit>
 __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const float* __restrict__ x, const MvIn in,
                                         int rows, int C, int Cs, int gpr, int gshift, int L, int blk, int nblk,
                                         Emit emit, float* ssq = nullptr) {
@@ -375,6 +379,7 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
         const int tile = pass * tpu + sub, c = lt;
         mv_load<BITS, MODE>(a, bm, tile, c, more && tile < ntiles && c < Cs, rows, C, gpr, gshift, wc, sbc);
     }
+    if constexpr (EARLY) grid_enter();
     mv_stage<BITS>(x, in, sx4, ssum, cols, ssq);
 
     float tot[MV_R];
@@ -466,6 +471,7 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
     }
 }
 
+// Waits for the previous kernel itself, after requesting its first weights (mv_core's EARLY).
 template <int BITS>
 __device__ __forceinline__ void matvec_tiled(const u32* __restrict__ W, const u16* __restrict__ S,
                                              const u16* __restrict__ B, const float* __restrict__ x,
@@ -473,7 +479,7 @@ __device__ __forceinline__ void matvec_tiled(const u32* __restrict__ W, const u1
     typedef MvFmt<BITS> F;
     const int C = cols / F::CPC, gpr = cols / gs, gshift = __ffs(gs) - 1;
     const MvMat a{(const uint4*)W, S, B};
-    mv_core<BITS, MV_PLAIN>(a, a, x, in, rows, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,
+    mv_core<BITS, MV_PLAIN, true>(a, a, x, in, rows, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,
                             [&](int tile, const float* v) {
 #pragma unroll
                                 for (int i = 0; i < MV_R; i++) {
@@ -515,7 +521,10 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
                                                  const u32* W, const u16* S, const u16* B, float* y, int rows, int L,
                                                  int nb, int ks, const MvNorm nrm) {
     typedef MvFmt<BITS> F;
-    if ((int)blockIdx.x >= nb * ks) return;  // the whole block: nothing has synchronised yet
+    if ((int)blockIdx.x >= nb * ks) {  // the whole block: nothing has synchronised yet
+        grid_enter();
+        return;
+    }
     const int p = blockIdx.y;
     const int slice = blockIdx.x / nb, blk = blockIdx.x - slice * nb;
     const int C = cols / F::CPC, Cs = C / ks, c0 = slice * Cs, gpr = cols / gs, gshift = __ffs(gs) - 1;
@@ -526,7 +535,7 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
     const size_t j0 = (size_t)c0 * F::CPC;
     float* ssq_all = scratch + MV_SCRATCH_HEAD + (size_t)MV_PARTS * MV_PART_FLOATS + (size_t)p * MV_MAX_SLICES;
     float* ssq = (NORM && nrm.group > 0 && blk == 0) ? ssq_all + slice : nullptr;
-    mv_core<BITS, MV_PLAIN>(a, a, x + j0, mv_in_offset(in, j0), rows, C, Cs, gpr, gshift, L, blk, nb,
+    mv_core<BITS, MV_PLAIN, true>(a, a, x + j0, mv_in_offset(in, j0), rows, C, Cs, gpr, gshift, L, blk, nb,
                             [&](int tile, const float* v) {
 #pragma unroll
                                 for (int i = 0; i < MV_R; i++) {
@@ -590,9 +599,9 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
     matvec_many_part<B, NORM>(x, MvIn{x2, xs, op}, cols, MV_SEL(g), scratch, MV_SEL(W), MV_SEL(S), MV_SEL(Bi),      \
                         MV_SEL(y), MV_SEL(r), MV_SEL(l), MV_SEL(n), MV_SEL(k),                               \
                         MvNorm{norm_group, norm_eps, norm_inv})
+// (matvec_many_part waits for the previous kernel: mv_core's EARLY.)
 extern "C" __global__ void __launch_bounds__(256, 2) matvec_many(MATVEC_MANY_ARGS) {
     const int p = blockIdx.y;
-    grid_enter();
     switch (MV_SEL(b)) {
         case 2:
             MATVEC_MANY_PART(2, true);
@@ -611,7 +620,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) matvec_many(MATVEC_MANY_ARG
 // 256 threads per multiprocessor (DevLinear's planning knows it).
 extern "C" __global__ void __launch_bounds__(256, 3) matvec_many_48(MATVEC_MANY_ARGS) {
     const int p = blockIdx.y;
-    grid_enter();
     if (MV_SEL(b) == 4) {
         MATVEC_MANY_PART(4, false);
     } else {
@@ -632,7 +640,7 @@ __device__ __forceinline__ void hc_up_mix_impl(const u32* W, const u16* S, const
     typedef MvFmt<BITS> F;
     const int C = cols / F::CPC, gpr = cols / gs, gshift = __ffs(gs) - 1;
     const MvMat a{(const uint4*)W, S, B};
-    mv_core<BITS, MV_STREAMS>(a, a, x, in, H, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,
+    mv_core<BITS, MV_STREAMS, true>(a, a, x, in, H, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,
                               [&](int t, const float* v) {
                                   float acc = 0.0f;
 #pragma unroll
@@ -649,7 +657,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
     hc_up_mix(const u32* W, const u16* S, const u16* B, const float* x, const float* x2, float xs, int op,
               const float* normed, float* out, int H, int cols, int gs, int bits, int L, const float* xr,
               const float* w, const float* inv) {
-    grid_enter();
+    // (hc_up_mix_impl waits for the previous kernel: mv_core's EARLY.)
     const MvIn in{x2, xs, op};
     switch (bits) {
         case 2:
@@ -691,10 +699,10 @@ extern "C" __global__ void __launch_bounds__(256, 2)
                     int gs, int rpb, const float* x2, float xs, int op, float* xres, const float* inj, int hc) { \
         const MvIn in{x2, xs, op};                                                                             \
         const MvOut out{y, xres, inj, hc};                                                                     \
-        grid_enter();                                                                                          \
         if (rpb & MV_TILED) {                                                                                  \
             matvec_tiled<B>(W, S, Bi, x, in, out, rows, cols, gs, rpb & (MV_TILED - 1));                       \
         } else {                                                                                               \
+            grid_enter();                                                                                      \
             matvec_affine_sx<B>(W, S, Bi, x, in, out, rows, cols, gs, rpb);                                    \
         }                                                                                                      \
     }
