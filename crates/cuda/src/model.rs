@@ -1347,9 +1347,11 @@ impl CudaModel {
         if resident {
             // The router wrote the table: all k experts, in rank order.
             if !st.untimed {
-                g.record(&ev[0])?;
+                if self.anatomy {
+                    g.record(&ev[0])?;
+                    st.blocks.push((l, Vec::new()));
+                }
                 g.record(&ev[1])?;
-                st.blocks.push((l, Vec::new()));
             }
             self.launch_experts(sc, layout, table, 0, k, &mut || Ok(()))?;
             combine(g)?;
@@ -1421,7 +1423,7 @@ impl CudaModel {
         // SAFETY: the stream has passed this layer's previous use of its table rows (ev[0] follows
         // the previous step's end), so no copy reads them while they are written.
         unsafe { self.write_entries(mb, l, &lease, &gpu_ranks, &order, n_gpu, &cpu_ranks)? };
-        if !st.untimed {
+        if !st.untimed && self.anatomy {
             st.blocks.push((l, order[hits..].iter().map(|&i| entries[i].slot).collect()));
             if hits < n_gpu {
                 st.host_turn_ns += turn_ns;
