@@ -208,8 +208,9 @@ pub(crate) struct MoeBufs {
     /// Whether residency was decided (the first step decides).
     decided: bool,
     /// Per MoE layer: router ready; resident experts' kernels start/end; read experts' start/end;
-    /// the lookahead's prediction ready.
-    events: Vec<[Event; 6]>,
+    /// the lookahead's prediction ready; router ready with timing (recorded only for the blocks'
+    /// anatomy, so the router-ready event the host waits on stays a cheap one).
+    events: Vec<[Event; 7]>,
 }
 
 /// One step's MoE bookkeeping: the lease whose kernels may still run, the MoE layers routed, and
@@ -320,13 +321,13 @@ impl MoeBufs {
         let events = (0..l)
             .map(|_| {
                 Ok([
-                    // Router ready: with timing, for the blocks' anatomy.
-                    gpu.event(true)?,
+                    gpu.event(false)?,
                     gpu.event(true)?,
                     gpu.event(true)?,
                     gpu.event(true)?,
                     gpu.event(true)?,
                     gpu.event(false)?,
+                    gpu.event(true)?,
                 ])
             })
             .collect::<Result<Vec<_>>>()?;
@@ -769,11 +770,11 @@ impl CudaModel {
         for (i, (l, slots)) in blocks.iter().enumerate() {
             let ev = &mb.events[*l];
             a.blocks += 1;
-            a.to_resident_ns += ns(ev[1].since(&ev[0])?);
+            a.to_resident_ns += ns(ev[1].since(&ev[6])?);
             a.resident_ns += ns(ev[2].since(&ev[1])?);
             if let Some((next, _)) = blocks.get(i + 1) {
                 a.spans += 1;
-                a.span_ns += ns(mb.events[*next][0].since(&ev[0])?);
+                a.span_ns += ns(mb.events[*next][6].since(&ev[6])?);
             }
             if slots.is_empty() || !read_timed.contains(l) {
                 continue;
@@ -781,8 +782,8 @@ impl CudaModel {
             a.blocks_missing += 1;
             // The copies' window, where every slot's events still describe this block's copy (a
             // later copy into the slot in this step, or a copy that never ran, leaves it out).
-            let windows: Option<Vec<(f32, f32)>> = slots.iter().map(|&s| mem.copy_window(s, &ev[0])).collect();
-            let read_end = ev[4].since(&ev[0])?;
+            let windows: Option<Vec<(f32, f32)>> = slots.iter().map(|&s| mem.copy_window(s, &ev[6])).collect();
+            let read_end = ev[4].since(&ev[6])?;
             if let Some(w) = windows.filter(|w| !w.is_empty()) {
                 let first = w.iter().map(|x| x.0).fold(f32::INFINITY, f32::min);
                 let last = w.iter().map(|x| x.1).fold(f32::NEG_INFINITY, f32::max);
@@ -1302,6 +1303,9 @@ impl CudaModel {
                 g.download(&mb.weights_host, l * k * 4, weights, k * 4)?;
             }
             g.record(&ev[0])?;
+            if self.anatomy && !st.untimed {
+                g.record(&ev[6])?;
+            }
         }
         // Lookahead (streaming only): the next block's router on this block's input, queued after
         // the router-ready event so it does not delay this block's reads; the host reads the
@@ -1348,7 +1352,7 @@ impl CudaModel {
             // The router wrote the table: all k experts, in rank order.
             if !st.untimed {
                 if self.anatomy {
-                    g.record(&ev[0])?;
+                    g.record(&ev[6])?;
                     st.blocks.push((l, Vec::new()));
                 }
                 g.record(&ev[1])?;
