@@ -160,11 +160,7 @@ fn zero_copy_probe() {
         );
         let report = |what: &str, t: Vec<f32>| {
             let ms = median(t);
-            println!(
-                "{records} record(s), copy engine ({what:18}) {:8.1} us  {:6.1} GB/s",
-                ms * 1e3,
-                gbps(records, ms)
-            );
+            println!("{records} record(s), copy engine, {what:18} {:8.1} us  {:6.1} GB/s", ms * 1e3, gbps(records, ms));
         };
         // Each record in two parts: the first 2/3 (gate and up), then the rest (down).
         let front = (RECORD * 2 / 3) & !4095;
