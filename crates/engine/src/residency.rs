@@ -163,6 +163,18 @@ pub trait SlotMemory: Send + Sync + 'static {
     /// return once the load is queued on a device, if whatever reads the slot orders itself after
     /// that (the CUDA slots copying from a pinned expert file: `DeviceSlots::await_slot`).
     fn load(&self, slot: usize, record: &dyn RecordSource) -> Result<()>;
+
+    /// Called on a step's thread before it runs the step's queued loads
+    /// ([`ExpertPool::load_queued`]), and [`SlotMemory::end_batch`] after them: a memory whose
+    /// loads only queue device work may hold that thread's loads in between and queue them
+    /// together (the CUDA slots: one batched copy instead of one copy per record). Loads on other
+    /// threads are not held.
+    fn begin_batch(&self) {}
+
+    /// Queues whatever was held since [`SlotMemory::begin_batch`] on this thread.
+    fn end_batch(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Host slots: one page-aligned allocation of `slot_count x record_bytes`, records read straight
@@ -766,7 +778,7 @@ impl<M: SlotMemory> ExpertPool<M> {
     /// threads woken for nothing cost more than the loads.
     pub fn acquire_loading(&self, layer: usize, experts: &[usize]) -> Result<Lease<'_, M>> {
         let lease = self.acquire_waking(layer, experts, false)?;
-        self.load_queued();
+        self.load_queued()?;
         Ok(lease)
     }
 
@@ -925,9 +937,12 @@ impl<M: SlotMemory> ExpertPool<M> {
     /// Runs the queued step reads (misses, not prefetches) on the calling thread instead of waiting
     /// for an IO thread to wake for them; returns how many it ran. For a memory whose load only
     /// queues work on a device (the CUDA slots copying from a pinned expert file), where waking a
-    /// thread costs more than the load. An IO thread may still take any of them first.
-    pub fn load_queued(&self) -> usize {
+    /// thread costs more than the load. An IO thread may still take any of them first. The loads
+    /// run as one batch ([`SlotMemory::begin_batch`]); an error is the memory's failure to queue
+    /// the batch (the slots' readers then meet it again).
+    pub fn load_queued(&self) -> Result<usize> {
         let mut ran = 0;
+        self.shared.memory.begin_batch();
         loop {
             let job = {
                 let mut inner = self.shared.lock();
@@ -936,10 +951,12 @@ impl<M: SlotMemory> ExpertPool<M> {
                     _ => None,
                 }
             };
-            let Some(job) = job else { return ran };
+            let Some(job) = job else { break };
             run_job(&self.shared, job);
             ran += 1;
         }
+        self.shared.memory.end_batch()?;
+        Ok(ran)
     }
 
     /// Lookahead: queues reads for the experts of `layer` that are neither resident nor being read,

@@ -859,7 +859,7 @@ fn a_step_can_run_its_own_queued_reads() {
     // Two misses are queued with no thread free to read them; the step reads them itself.
     let lease = pool.acquire(0, &[2, 5]).unwrap();
     assert!(!lease.is_ready(0) && !lease.is_ready(1));
-    assert_eq!(pool.load_queued(), 2);
+    assert_eq!(pool.load_queued().unwrap(), 2);
     assert!(lease.is_ready(0) && lease.is_ready(1));
     for (i, e) in lease.entries().iter().enumerate() {
         lease.wait(i).unwrap();
@@ -868,7 +868,7 @@ fn a_step_can_run_its_own_queued_reads() {
         assert!(got == f.records[0][e.expert].as_slice(), "expert {}", e.expert);
     }
     // The prefetch is not a step's read: it stays with the IO thread.
-    assert_eq!(pool.load_queued(), 0);
+    assert_eq!(pool.load_queued().unwrap(), 0);
     gated.open();
     drop(lease);
     let t = std::time::Instant::now();
@@ -914,4 +914,67 @@ fn acquire_loading_reads_the_misses_on_the_calling_thread() {
     }
     assert_eq!(gated.entered.load(Ordering::SeqCst), 1, "the IO thread took a step's read");
     assert_eq!(pool.stats().total.misses, 5);
+}
+
+/// Host slots that log, per thread, the batch hooks and the loads between them; `end_batch` fails
+/// on request.
+struct Batching {
+    slots: HostSlots,
+    step: std::thread::ThreadId,
+    log: Mutex<Vec<&'static str>>,
+    loads: AtomicUsize,
+    fail_end: std::sync::atomic::AtomicBool,
+}
+
+impl SlotMemory for Batching {
+    fn slot_count(&self) -> usize {
+        self.slots.slot_count()
+    }
+    fn record_bytes(&self) -> usize {
+        self.slots.record_bytes()
+    }
+    fn load(&self, slot: usize, record: &dyn RecordSource) -> Result<()> {
+        self.loads.fetch_add(1, Ordering::SeqCst);
+        if std::thread::current().id() == self.step {
+            self.log.lock().unwrap().push("load");
+        }
+        self.slots.load(slot, record)
+    }
+    fn begin_batch(&self) {
+        self.log.lock().unwrap().push("begin");
+    }
+    fn end_batch(&self) -> Result<()> {
+        self.log.lock().unwrap().push("end");
+        anyhow::ensure!(!self.fail_end.load(Ordering::SeqCst), "the batch could not be queued");
+        Ok(())
+    }
+}
+
+#[test]
+fn a_step_runs_its_own_reads_as_one_batch() {
+    let f = fixture();
+    let memory = Arc::new(Batching {
+        slots: HostSlots::new(8, f.store.record_bytes()).unwrap(),
+        step: std::thread::current().id(),
+        log: Mutex::new(Vec::new()),
+        loads: AtomicUsize::new(0),
+        fail_end: false.into(),
+    });
+    let pool = ExpertPool::new(Arc::clone(&f.store), Arc::clone(&memory), 1).unwrap();
+    let lease = pool.acquire_loading(0, &[1, 3]).unwrap();
+    // Every read the step ran lies between the hooks (an IO thread may have taken one first).
+    let log = memory.log.lock().unwrap().clone();
+    assert_eq!((log.first(), log.last()), (Some(&"begin"), Some(&"end")), "{log:?}");
+    assert!(log[1..log.len() - 1].iter().all(|&e| e == "load"), "{log:?}");
+    for (i, e) in lease.entries().iter().enumerate() {
+        lease.wait(i).unwrap();
+        // SAFETY: the entry is loaded and pinned by the lease.
+        assert!(unsafe { memory.slots.slot(e.slot) } == f.records[0][e.expert].as_slice());
+    }
+    assert_eq!(memory.loads.load(Ordering::SeqCst), 2);
+    drop(lease);
+    // A batch the memory cannot queue fails the acquire that ran it.
+    memory.fail_end.store(true, Ordering::SeqCst);
+    let e = pool.acquire_loading(1, &[2]).err().expect("the batch failed");
+    assert!(format!("{e:#}").contains("could not be queued"), "{e:#}");
 }
