@@ -16,8 +16,10 @@
 //! is queued behind the earlier one. The loads a step runs itself (`ExpertPool::load_queued`) are
 //! held until the last of them and queued as one `cuMemcpyBatchAsync`, their down projections as a
 //! second: on the H200 host a batch of 2 records copied in 104.5 us against 107.4 for two copies,
-//! 4 in 205.5 against 212.9 (`crates/cuda/tests/zero_copy_probe.rs`);
-//! `CHERENKOV_NO_COPY_BATCH=1` queues each copy at once.
+//! 4 in 205.5 against 212.9 (`crates/cuda/tests/zero_copy_probe.rs`). The batch's first copy is
+//! queued at once, so the link starts while the host decides the rest: a streamed block's first
+//! copy then started 0.014-0.018 ms after its router instead of 0.018-0.027 with the first held
+//! too. `CHERENKOV_NO_COPY_BATCH=1` queues each copy at once.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -50,8 +52,9 @@ const READ_PIECES: usize = 16;
 const BOUNCE_BYTES: usize = 256 << 10;
 
 thread_local! {
-    /// Whether this thread is inside a step's batch of loads (`SlotMemory::begin_batch`).
-    static BATCHING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Whether this thread is inside a step's batch of loads (`SlotMemory::begin_batch`): 0 no,
+    /// 1 yes and nothing copied yet, 2 yes and the first copy queued.
+    static BATCHING: std::cell::Cell<u8> = const { std::cell::Cell::new(0) };
     /// Each reading thread's bounce buffer (see [`stage_record`]).
     static BOUNCE: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
@@ -165,6 +168,8 @@ pub struct DeviceSlots {
     /// batch, oldest first; and whether loads are batched at all (`CHERENKOV_NO_COPY_BATCH` unset).
     fronts: Mutex<Vec<usize>>,
     batch: bool,
+    /// Hold a batch's first copy too (`CHERENKOV_HOLD_FIRST_COPY=1`, for measurements).
+    hold_first: bool,
 }
 
 /// A slot's copy events (made at its first copy from the pinned file: start, front landed, end),
@@ -236,6 +241,7 @@ impl DeviceSlots {
             backs: Mutex::new(Vec::new()),
             fronts: Mutex::new(Vec::new()),
             batch: std::env::var_os("CHERENKOV_NO_COPY_BATCH").is_none(),
+            hold_first: std::env::var_os("CHERENKOV_HOLD_FIRST_COPY").is_some(),
         })
     }
 
@@ -646,7 +652,16 @@ impl DeviceSlots {
         self.split[0].fetch_add(1, Ordering::Relaxed);
         self.split[6].fetch_add(1, Ordering::Relaxed);
         self.split[4].fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        if !(self.batch && BATCHING.get()) {
+        // A batch's first copy goes at once, so the link starts while the host decides the rest.
+        let held = match BATCHING.get() {
+            1 => {
+                BATCHING.set(2);
+                self.batch && self.hold_first
+            }
+            2 => self.batch,
+            _ => false,
+        };
+        if !held {
             self.queue_fronts()?;
         }
         Ok(())
@@ -663,11 +678,11 @@ impl SlotMemory for DeviceSlots {
     }
 
     fn begin_batch(&self) {
-        BATCHING.set(true);
+        BATCHING.set(1);
     }
 
     fn end_batch(&self) -> Result<()> {
-        BATCHING.set(false);
+        BATCHING.set(0);
         self.gpu.bind()?;
         self.queue_fronts()
     }
