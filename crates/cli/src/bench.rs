@@ -489,6 +489,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         Policy::Lrfu { lambda: 0.1 },
         Policy::Lrfu { lambda: 0.03 },
         Policy::Lrfu { lambda: 0.01 },
+        Policy::Adaptive,
         Policy::Belady,
     ] {
         policies.push((p.label(), simulate_from(trace, cases[2].warm_steps, streamed_slots, p).hit_rate()));

@@ -34,6 +34,9 @@ pub enum Policy {
     /// LRFU (Lee et al.): each expert's combined recency-frequency is the sum over its past uses of
     /// 2^(-lambda * age in tokens); the smallest is evicted. A large lambda is LRU, lambda = 0 LFU.
     Lrfu { lambda: f64 },
+    /// Adaptive LRFU ([`Adaptive`]): LRFU whose decay is, every [`ADAPTIVE_WINDOW`] tokens, the one
+    /// of [`ADAPTIVE_LAMBDAS`] whose own cache would have hit most lately.
+    Adaptive,
     /// Belady's MIN: the resident expert used furthest in the future goes (needs the future).
     Belady,
 }
@@ -43,6 +46,7 @@ impl Policy {
         match self {
             Policy::Lru => "LRU".into(),
             Policy::Lrfu { lambda } => format!("LRFU(lambda={lambda})"),
+            Policy::Adaptive => "adaptive LRFU".into(),
             Policy::Belady => "Belady (offline optimum)".into(),
         }
     }
@@ -79,6 +83,124 @@ impl Crf {
     /// log2(value) + lambda * at: a key that does not change while the expert is not used.
     fn priority(value: f64, at: u64, lambda: f64) -> f64 {
         value.log2() + lambda * at as f64
+    }
+
+    /// The eviction priority of the expert's last use (as [`Crf::touch`] returned it), under
+    /// `lambda`: what a cache re-ranks its records by when its decay changes.
+    pub fn last_priority(&self, lambda: f64) -> f64 {
+        Crf::priority(self.value, self.at, lambda)
+    }
+}
+
+/// The decays adaptive LRFU chooses among (per token: half-lives of about 7, 33, 100 and 330
+/// tokens). On the synthetic traces of `benchmark/notes-policy.md` the slowest is best while
+/// popularity stays put and 0.03-0.1 once it drifts.
+pub const ADAPTIVE_LAMBDAS: [f64; 4] = [0.1, 0.03, 0.01, 0.003];
+/// Tokens between two choices of adaptive LRFU's decay.
+pub const ADAPTIVE_WINDOW: u64 = 16;
+/// What each window keeps of a candidate's hits so far (the rest is forgotten).
+pub const ADAPTIVE_KEEP: f64 = 0.9;
+/// The decay adaptive LRFU starts with (its index: 0.03, the best fixed one under drift).
+pub const ADAPTIVE_START: usize = 1;
+/// Adaptive LRFU's ghost caches replay one MoE layer in this many (layers 0, 4, 8, ...) with as
+/// large a share of the slots: the choice of decay at a quarter of the host time.
+pub const ADAPTIVE_SAMPLE: usize = 4;
+
+/// Adaptive LRFU's choice of decay. A ghost cache per candidate of [`ADAPTIVE_LAMBDAS`] (keys and
+/// ranks only) replays the steps of one MoE layer in [`ADAPTIVE_SAMPLE`], with that share of the
+/// real cache's slots, under its own decay and counts its hits; every [`ADAPTIVE_WINDOW`] tokens the candidate with the most hits (older windows'
+/// hits weighed down by [`ADAPTIVE_KEEP`] per window) becomes the decay the real cache ranks by.
+/// The real cache keeps each expert's LRFU value under every candidate, so switching re-ranks its
+/// records with their own histories. The simulator and the pool ([`crate::residency`]) share this
+/// type, so they choose alike.
+#[derive(Clone, Debug)]
+pub struct Adaptive {
+    ghosts: Vec<Ghost>,
+    hits: Vec<f64>,
+    current: usize,
+}
+
+impl Adaptive {
+    /// For a cache of `slots` slots over `layers` MoE layers.
+    pub fn new(slots: usize, layers: usize) -> Adaptive {
+        let sampled = layers.max(1).div_ceil(ADAPTIVE_SAMPLE);
+        let slots = (slots * sampled).div_ceil(layers.max(1)).max(1);
+        Adaptive {
+            ghosts: ADAPTIVE_LAMBDAS.iter().map(|&lambda| Ghost::new(lambda, slots)).collect(),
+            hits: vec![0.0; ADAPTIVE_LAMBDAS.len()],
+            current: ADAPTIVE_START,
+        }
+    }
+
+    /// The index of the decay in use (into [`ADAPTIVE_LAMBDAS`]).
+    pub fn current(&self) -> usize {
+        self.current
+    }
+
+    /// Token `token` begins: at a window's end, the best candidate becomes current. Returns the new
+    /// index when it changed (the cache must then re-rank its records).
+    pub fn new_token(&mut self, token: u64) -> Option<usize> {
+        if token == 0 || !token.is_multiple_of(ADAPTIVE_WINDOW) {
+            return None;
+        }
+        let best = (0..self.hits.len()).fold(self.current, |b, i| if self.hits[i] > self.hits[b] { i } else { b });
+        self.hits.iter_mut().for_each(|h| *h *= ADAPTIVE_KEEP);
+        (best != self.current).then(|| {
+            self.current = best;
+            best
+        })
+    }
+
+    /// Replays one step (a layer's experts, at token `token`) in every ghost cache, if its layer
+    /// is one of the sampled.
+    pub fn observe(&mut self, step: &[Key], token: u64) {
+        if step.first().is_none_or(|k| !(k.0 as usize).is_multiple_of(ADAPTIVE_SAMPLE)) {
+            return;
+        }
+        for (g, h) in self.ghosts.iter_mut().zip(self.hits.iter_mut()) {
+            *h += g.step(step, token) as f64;
+        }
+    }
+}
+
+/// One candidate's ghost cache for [`Adaptive`]: LRFU with a fixed decay over keys alone.
+#[derive(Clone, Debug)]
+struct Ghost {
+    lambda: f64,
+    slots: usize,
+    tick: u64,
+    rank: HashMap<Key, (OrdF64, u64)>,
+    order: BTreeSet<(OrdF64, u64, Key)>,
+    crf: HashMap<Key, Crf>,
+}
+
+impl Ghost {
+    fn new(lambda: f64, slots: usize) -> Ghost {
+        Ghost { lambda, slots, tick: 0, rank: HashMap::new(), order: BTreeSet::new(), crf: HashMap::new() }
+    }
+
+    /// One step under the simulator's rules; returns its hits.
+    fn step(&mut self, step: &[Key], token: u64) -> u64 {
+        let mut hits = 0;
+        for k in step {
+            self.tick += 1;
+            if let Some(&(p, tk)) = self.rank.get(k) {
+                hits += 1;
+                self.order.remove(&(p, tk, *k));
+            } else if self.rank.len() >= self.slots {
+                match self.order.iter().find(|(_, _, v)| !step.contains(v)).copied() {
+                    Some(v) => {
+                        self.order.remove(&v);
+                        self.rank.remove(&v.2);
+                    }
+                    None => continue,
+                }
+            }
+            let p = self.crf.entry(*k).or_default().touch(token, self.lambda);
+            self.rank.insert(*k, (OrdF64(p), self.tick));
+            self.order.insert((OrdF64(p), self.tick, *k));
+        }
+        hits
     }
 }
 
@@ -123,13 +245,28 @@ pub fn simulate_from(trace: &[Step], counted_from: usize, slots: usize, policy: 
     let mut rank: HashMap<Key, (OrdF64, u64)> = HashMap::new();
     let mut order: BTreeSet<(OrdF64, u64, Key)> = BTreeSet::new();
     let mut crf: HashMap<Key, Crf> = HashMap::new();
+    // Adaptive LRFU: its choice, and every key's value under each candidate decay.
+    let layers = trace.iter().map(|s| s.layer as usize + 1).max().unwrap_or(1);
+    let mut adaptive = Adaptive::new(slots, layers);
+    let mut crfs: HashMap<Key, [Crf; ADAPTIVE_LAMBDAS.len()]> = HashMap::new();
     let (mut tick, mut token, mut last_layer) = (0u64, 0u64, None);
     for (t, s) in trace.iter().enumerate() {
         if last_layer.is_some_and(|l| s.layer <= l) {
             token += 1;
+            if let (Policy::Adaptive, Some(now)) = (policy, adaptive.new_token(token)) {
+                // Re-rank every resident key by its own history under the new decay.
+                order.clear();
+                for (k, r) in rank.iter_mut() {
+                    r.0 = OrdF64(crfs[k][now].last_priority(ADAPTIVE_LAMBDAS[now]));
+                    order.insert((r.0, r.1, *k));
+                }
+            }
         }
         last_layer = Some(s.layer);
         let step: Vec<Key> = s.experts.iter().map(|&e| (s.layer, e)).collect();
+        if let Policy::Adaptive = policy {
+            adaptive.observe(&step, token);
+        }
         let counted = t >= counted_from;
         for (j, k) in step.iter().enumerate() {
             res.requests += counted as u64;
@@ -155,6 +292,18 @@ pub fn simulate_from(trace: &[Step], counted_from: usize, slots: usize, policy: 
                     if nu == usize::MAX { f64::NEG_INFINITY } else { -(nu as f64) }
                 }
                 Policy::Lrfu { lambda } => crf.entry(*k).or_default().touch(token, lambda),
+                Policy::Adaptive => {
+                    let c = crfs.entry(*k).or_default();
+                    let now = adaptive.current();
+                    let mut p = 0.0;
+                    for (i, x) in c.iter_mut().enumerate() {
+                        let q = x.touch(token, ADAPTIVE_LAMBDAS[i]);
+                        if i == now {
+                            p = q;
+                        }
+                    }
+                    p
+                }
             };
             rank.insert(*k, (OrdF64(p), tick));
             order.insert((OrdF64(p), tick, *k));
@@ -281,7 +430,7 @@ mod tests {
             let opt: Vec<f64> = slots.iter().map(|&s| simulate(trace, s, Policy::Belady).hit_rate()).collect();
             let mut policies = vec![Policy::Lru];
             policies.extend(lambdas.iter().map(|&lambda| Policy::Lrfu { lambda }));
-            policies.push(Policy::Belady);
+            policies.extend([Policy::Adaptive, Policy::Belady]);
             for p in policies {
                 let mut line = format!("| {} |", p.label());
                 for (i, &s) in slots.iter().enumerate() {
@@ -310,6 +459,36 @@ mod tests {
             "Lookahead on the random network (a constant logit vector per layer): {:.1}% of the routed experts predicted.",
             100.0 * correct as f64 / total as f64
         );
+    }
+
+    #[test]
+    fn adaptive_lrfu_moves_to_the_decay_whose_ghost_hits_most() {
+        use crate::routing::{ModelLogits, Skew, synthetic_trace};
+        // Stationary popularity: the slowest decay hits most, and adaptive LRFU (starting at 0.03)
+        // moves to it and ends up hitting more than LRFU(0.03).
+        let trace = synthetic_trace(Skew::default(), ModelLogits::Constant { jitter: 0.05 }, 4, 600, 128, 8);
+        let slots = 4 * 128 / 5;
+        let mut a = Adaptive::new(slots, 4);
+        let (mut token, mut last) = (0u64, None);
+        for s in &trace {
+            if last.is_some_and(|l| s.layer <= l) {
+                token += 1;
+                a.new_token(token);
+            }
+            last = Some(s.layer);
+            let step: Vec<Key> = s.experts.iter().map(|&e| (s.layer, e)).collect();
+            a.observe(&step, token);
+        }
+        assert_eq!(ADAPTIVE_LAMBDAS[a.current()], 0.003);
+        let fixed = simulate(&trace, slots, Policy::Lrfu { lambda: 0.03 }).hit_rate();
+        let adaptive = simulate(&trace, slots, Policy::Adaptive).hit_rate();
+        assert!(adaptive > fixed, "adaptive {adaptive} vs LRFU(0.03) {fixed}");
+        // Choices come only at a window's end.
+        let mut b = Adaptive::new(4, 1);
+        b.hits = vec![0.0, 0.0, 0.0, 5.0];
+        assert_eq!(b.new_token(ADAPTIVE_WINDOW - 1), None);
+        assert_eq!(b.new_token(ADAPTIVE_WINDOW), Some(3));
+        assert_eq!(b.hits[3], 5.0 * ADAPTIVE_KEEP);
     }
 
     #[test]

@@ -30,7 +30,12 @@
 //! too). The victim is the evictable slot of lowest rank (priority, tick), the priority depending on
 //! the [`Eviction`] the pool was built with:
 //!
-//! - [`Eviction::Lrfu`] (the default): LRFU's combined recency-frequency (Lee et al.; the same
+//! - [`Eviction::Adaptive`] (the default): LRFU below, its decay chosen every 16 tokens among four
+//!   by ghost caches that replay a sample of the requests under each
+//!   ([`crate::policy::Adaptive`]); a change of decay re-ranks every record by its own history
+//!   under the new one (a prefetched record that was never used then ranks last). The ghosts
+//!   replay a block's request after its misses are queued ([`ExpertPool::replay_ghosts`]).
+//! - [`Eviction::Lrfu`]: LRFU's combined recency-frequency (Lee et al.; the same
 //!   arithmetic as the policy simulator, [`crate::policy::Crf`]): each use of an expert adds 1 to a
 //!   value that halves every 1/lambda tokens, and the smallest value goes first, ties to the least
 //!   recently used. The clock counts tokens: an acquire whose layer is not above the previous
@@ -40,8 +45,10 @@
 //!   acquires it.
 //! - [`Eviction::Lru`]: the priority is constant, so the tick alone decides: least recently used.
 //!
-//! LRFU is the default because it beat LRU on every calibrated synthetic routing trace, popularity
-//! drift included: by 7-12 points of hit rate with 10% of the experts cached, 3-7 with 17% and 1-5
+//! Adaptive LRFU is the default because no fixed decay is best on every trace: on the calibrated
+//! synthetic traces it is within 0.3 points of the best fixed decay for each trace and cache size
+//! (`benchmark/notes-policy.md`). LRFU with a fixed decay of 0.03 beat LRU on every calibrated
+//! synthetic routing trace, popularity drift included: by 7-12 points of hit rate with 10% of the experts cached, 3-7 with 17% and 1-5
 //! with 27% (`benchmark/notes-policy.md`).
 //!
 //! # Invariants that must not change
@@ -81,7 +88,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, anyhow, bail};
 use cherenkov_model::store::Store;
 
-use crate::policy::{Crf, OrdF64};
+use crate::policy::{ADAPTIVE_LAMBDAS, ADAPTIVE_START, Adaptive, Crf, Key, OrdF64};
 use crate::stats::{ExpertStats, ForwardStats, LayerInfo, PoolCounters, PoolStats, Residency, Served, SlotGauges};
 
 /// Alignment of host slot memory (a page; records are 4 KiB multiples, so every slot is aligned).
@@ -380,18 +387,20 @@ pub enum Eviction {
     Lru,
     /// LRFU: a combined recency-frequency value that halves every 1/lambda tokens.
     Lrfu { lambda: f64 },
+    /// LRFU whose decay follows whichever candidate's ghost cache hit most lately
+    /// ([`crate::policy::Adaptive`]).
+    Adaptive,
 }
 
 impl Eviction {
-    /// The default: LRFU with lambda = 0.03 per token (a half-life of about 33 tokens), the best of
-    /// the decay rates measured in `benchmark/notes-policy.md` once popularity drifts.
-    pub const DEFAULT: Eviction = Eviction::Lrfu { lambda: 0.03 };
+    /// The default: adaptive LRFU. On the synthetic traces of `benchmark/notes-policy.md` it hits
+    /// within 0.3 points of the best fixed decay on every trace and cache size, where each fixed
+    /// decay loses 1.6 points or more on some (0.03 while popularity stays, 0.003 and 0.01 once it
+    /// drifts).
+    pub const DEFAULT: Eviction = Eviction::Adaptive;
 
     pub fn label(&self) -> String {
-        match self {
-            Eviction::Lru => "LRU".into(),
-            Eviction::Lrfu { lambda } => format!("LRFU(lambda={lambda})"),
-        }
+        self.policy().label()
     }
 
     /// The same policy for the offline simulator.
@@ -399,6 +408,16 @@ impl Eviction {
         match *self {
             Eviction::Lru => crate::policy::Policy::Lru,
             Eviction::Lrfu { lambda } => crate::policy::Policy::Lrfu { lambda },
+            Eviction::Adaptive => crate::policy::Policy::Adaptive,
+        }
+    }
+
+    /// LRFU values kept per (layer, expert): one per decay the policy may rank by.
+    fn decays(&self) -> usize {
+        match self {
+            Eviction::Lru => 0,
+            Eviction::Lrfu { .. } => 1,
+            Eviction::Adaptive => ADAPTIVE_LAMBDAS.len(),
         }
     }
 }
@@ -456,8 +475,14 @@ struct Inner {
     queue: VecDeque<Job>,
     tick: u64,
     eviction: Eviction,
-    /// LRFU's state of every (layer, expert), at `layer * num_experts + expert`.
+    /// LRFU's state of every (layer, expert), at `(layer * num_experts + expert) * d + i` for the
+    /// policy's `d` decays (`Eviction::decays`).
     crf: Vec<Crf>,
+    /// Adaptive LRFU's choice (None for the other policies, and where every record fits), and the
+    /// steps its ghost caches have not replayed yet (with their token), replayed off the path from
+    /// a router to its copies ([`ExpertPool::replay_ghosts`]).
+    adaptive: Option<Adaptive>,
+    ghost_steps: Vec<(Vec<Key>, u64)>,
     num_experts: usize,
     /// Tokens seen (LRFU's clock), and the layer of the last acquire (a new token starts when an
     /// acquire's layer is not above it).
@@ -494,29 +519,84 @@ impl Inner {
         Some(s)
     }
 
-    /// Moves LRFU's clock for an acquire of `layer`.
+    /// Moves LRFU's clock for an acquire of `layer`; at adaptive LRFU's window ends, its choice.
     fn start_step(&mut self, layer: usize) {
         if self.last_layer.is_some_and(|l| layer <= l) {
             self.token += 1;
+            self.replay_ghosts();
+            if let Some(now) = self.adaptive.as_mut().and_then(|a| a.new_token(self.token)) {
+                self.rerank(now);
+            }
         }
         self.last_layer = Some(layer);
     }
 
+    /// Replays the steps adaptive LRFU's ghost caches have not seen yet.
+    fn replay_ghosts(&mut self) {
+        if let Some(a) = self.adaptive.as_mut() {
+            for (step, token) in self.ghost_steps.drain(..) {
+                a.observe(&step, token);
+            }
+        }
+    }
+
+    /// The decay adaptive LRFU ranks by now (its index), or LRFU's one decay (0).
+    fn decay(&self) -> (usize, f64) {
+        match self.eviction {
+            Eviction::Adaptive => {
+                let i = self.adaptive.as_ref().map_or(ADAPTIVE_START, Adaptive::current);
+                (i, ADAPTIVE_LAMBDAS[i])
+            }
+            Eviction::Lrfu { lambda } => (0, lambda),
+            Eviction::Lru => (0, 0.0),
+        }
+    }
+
+    /// Adaptive LRFU switched to decay `now`: every record is ranked by its own history under it
+    /// (its tick kept), and the evictable order rebuilt.
+    fn rerank(&mut self, now: usize) {
+        let (d, lambda) = (self.eviction.decays(), ADAPTIVE_LAMBDAS[now]);
+        self.evictable.clear();
+        for (s, slot) in self.slots.iter_mut().enumerate() {
+            if slot.state == State::Free {
+                continue;
+            }
+            let (layer, expert) = slot.key;
+            let p = self.crf[(layer * self.num_experts + expert) * d + now].last_priority(lambda);
+            slot.rank = (OrdF64(p), slot.rank.1);
+            if slot.state == State::Ready && slot.pins == 0 {
+                self.evictable.insert(slot.rank, s);
+            }
+        }
+    }
+
     /// Records a use of (layer, expert) at `tick`; returns its new rank.
     fn use_rank(&mut self, layer: usize, expert: usize, tick: u64) -> Rank {
+        let d = self.eviction.decays();
         let p = match self.eviction {
             Eviction::Lru => 0.0,
             Eviction::Lrfu { lambda } => self.crf[layer * self.num_experts + expert].touch(self.token, lambda),
+            Eviction::Adaptive => {
+                let (now, at) = (self.decay().0, (layer * self.num_experts + expert) * d);
+                let mut p = 0.0;
+                for (i, c) in self.crf[at..at + d].iter_mut().enumerate() {
+                    let q = c.touch(self.token, ADAPTIVE_LAMBDAS[i]);
+                    if i == now {
+                        p = q;
+                    }
+                }
+                p
+            }
         };
         (OrdF64(p), tick)
     }
 
     /// The rank of a prefetched (layer, expert) at `tick`: as if used now, without counting a use.
     fn prefetch_rank(&self, layer: usize, expert: usize, tick: u64) -> Rank {
-        let p = match self.eviction {
-            Eviction::Lru => 0.0,
-            Eviction::Lrfu { lambda } => self.crf[layer * self.num_experts + expert].peek(self.token, lambda),
-        };
+        let (i, lambda) = self.decay();
+        let d = self.eviction.decays();
+        let p =
+            if d == 0 { 0.0 } else { self.crf[(layer * self.num_experts + expert) * d + i].peek(self.token, lambda) };
         (OrdF64(p), tick)
     }
 
@@ -682,10 +762,11 @@ impl<M: SlotMemory> ExpertPool<M> {
             queue: VecDeque::new(),
             tick: 0,
             eviction,
-            crf: match eviction {
-                Eviction::Lru => Vec::new(),
-                Eviction::Lrfu { .. } => vec![Crf::default(); layers * num_experts],
-            },
+            crf: vec![Crf::default(); layers * num_experts * eviction.decays()],
+            // Ghost caches only where something can be evicted.
+            adaptive: (eviction == Eviction::Adaptive && slot_count < layers * num_experts)
+                .then(|| Adaptive::new(slot_count, layers)),
+            ghost_steps: Vec::new(),
             num_experts,
             token: 0,
             last_layer: None,
@@ -779,7 +860,14 @@ impl<M: SlotMemory> ExpertPool<M> {
     pub fn acquire_loading(&self, layer: usize, experts: &[usize]) -> Result<Lease<'_, M>> {
         let lease = self.acquire_waking(layer, experts, false)?;
         self.load_queued()?;
+        self.replay_ghosts();
         Ok(lease)
+    }
+
+    /// Lets adaptive LRFU's ghost caches replay the steps acquired since they last did (they
+    /// would at the next token's first acquire otherwise, before its misses are queued).
+    pub fn replay_ghosts(&self) {
+        self.shared.lock().replay_ghosts();
     }
 
     fn acquire_waking(&self, layer: usize, experts: &[usize], wake: bool) -> Result<Lease<'_, M>> {
@@ -856,6 +944,11 @@ impl<M: SlotMemory> ExpertPool<M> {
                 pins[i] = Some(Pin { generation, ticket });
             }
 
+            if inner.adaptive.is_some() {
+                let keys = experts.iter().map(|&e| (layer as u16, e as u16)).collect();
+                inner.ghost_steps.push((keys, inner.token));
+            }
+
             // Pass 2: misses, in request order: a free slot, else the lowest-ranked evictable one.
             for (i, &e) in experts.iter().enumerate() {
                 if pins[i].is_some() {
@@ -872,6 +965,7 @@ impl<M: SlotMemory> ExpertPool<M> {
         }
         if wake {
             self.wake_readers(misses as usize);
+            self.replay_ghosts();
         }
         self.record_blocked(layer, blocked);
         self.shared.counters.record_acquire(layer, hits, inflight, misses);

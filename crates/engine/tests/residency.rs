@@ -168,7 +168,7 @@ fn lru_order_and_counters_on_a_scripted_sequence() {
 #[test]
 fn lrfu_keeps_a_frequent_expert_that_lru_evicts() {
     let f = fixture();
-    assert_eq!(host_pool(&f, 2, 1).eviction(), Eviction::Lrfu { lambda: 0.03 }, "the default");
+    assert_eq!(host_pool(&f, 2, 1).eviction(), Eviction::Adaptive, "the default");
     // One layer, so every acquire is a new token. Expert 0 is used three times, then expert 1
     // once, more recently; expert 2 needs a slot.
     let run = |eviction: Eviction| {
@@ -226,7 +226,8 @@ fn the_pool_hits_what_the_simulator_predicts() {
     let trace = synthetic_trace(skew, ModelLogits::Constant { jitter: 0.05 }, layers, 300, experts, 2);
     let slots = 9;
     let mut hits = Vec::new();
-    for eviction in [Eviction::Lru, Eviction::Lrfu { lambda: 0.03 }, Eviction::Lrfu { lambda: 0.3 }] {
+    for eviction in [Eviction::Lru, Eviction::Lrfu { lambda: 0.03 }, Eviction::Lrfu { lambda: 0.3 }, Eviction::Adaptive]
+    {
         let pool = host_pool_evicting(&f, slots, 1, eviction);
         for step in &trace {
             let want: Vec<usize> = step.experts.iter().map(|&e| e as usize).collect();
@@ -239,6 +240,9 @@ fn the_pool_hits_what_the_simulator_predicts() {
         hits.push(sim.hits);
     }
     assert!(hits[0] != hits[1] && hits[1] != hits[2], "the policies should differ on this trace: {hits:?}");
+    // Adaptive LRFU starts as LRFU(0.03): hitting otherwise, it switched decays (and re-ranked the
+    // pool's records) on the way, and the pool still hit what the simulator did.
+    assert_ne!(hits[3], hits[1], "adaptive LRFU should switch decays on this trace: {hits:?}");
 }
 
 #[test]
