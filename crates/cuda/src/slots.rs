@@ -263,7 +263,14 @@ impl DeviceSlots {
         self.queue_fronts()?;
         let t0 = Instant::now();
         let slots = std::mem::take(&mut *self.backs.lock().unwrap());
-        self.queue_parts(&slots, false, |c| c.back.take().map(|p| (p, true)), |[_, _, end], _| vec![end])?;
+        self.queue_parts(
+            &slots,
+            &self.backs,
+            false,
+            |c| c.back.take().map(|p| (p, true)),
+            |[_, _, end], _| vec![end],
+            |c, p| c.back = Some(p),
+        )?;
         self.split[4].fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         Ok(())
     }
@@ -278,9 +285,11 @@ impl DeviceSlots {
         // Where no back part waits the front is the whole record: its end is the record's end.
         self.queue_parts(
             &slots,
+            &self.fronts,
             true,
             |c| c.front.take().map(|p| (p, c.back.is_none())),
             |[_, landed, end], whole| if whole { vec![landed, end] } else { vec![landed] },
+            |c, p| c.front = Some(p),
         )?;
         self.split[4].fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         Ok(())
@@ -289,13 +298,17 @@ impl DeviceSlots {
     /// Queues the parts `take` gives for `slots` (each with whether it ends its record) as one
     /// batch on the copy stream, holding every slot's lock (in slot order) until it is queued, so
     /// nothing waits on a slot's events before they are recorded: with `starts`, every slot's
-    /// start event before the batch; after it, the events `after` picks.
+    /// start event before the batch; after it, the events `after` picks. Where the batch cannot be
+    /// queued, `restore` puts each part back and its slot back on `list`, so a reader of the slot
+    /// tries again (and meets the error) instead of reading it unwritten.
     fn queue_parts(
         &self,
         slots: &[usize],
+        list: &Mutex<Vec<usize>>,
         starts: bool,
         mut take: impl FnMut(&mut SlotCopy) -> Option<(Part, bool)>,
         after: impl Fn([sys::CUevent; 3], bool) -> Vec<sys::CUevent>,
+        mut restore: impl FnMut(&mut SlotCopy, Part),
     ) -> Result<()> {
         let mut order = slots.to_vec();
         order.sort_unstable();
@@ -303,8 +316,10 @@ impl DeviceSlots {
         let mut locked: Vec<_> = order.iter().map(|&s| self.copies[s].lock().unwrap()).collect();
         let mut parts = Vec::new();
         let mut marks = Vec::new();
-        for c in locked.iter_mut() {
+        let mut taken = Vec::new();
+        for (i, c) in locked.iter_mut().enumerate() {
             if let Some((part, ends)) = take(c) {
+                taken.push(i);
                 parts.push(part);
                 marks.push(after(c.events.expect("a slot with a part waiting has events"), ends));
                 if starts {
@@ -323,17 +338,28 @@ impl DeviceSlots {
         if starts {
             marks.iter().try_for_each(|m| record(m[0]))?;
         }
-        copy_batch(stream, &parts)?;
+        if let Err(e) = copy_batch(stream, &parts) {
+            // The parts wait again, so whatever reads their slots tries again (and meets the
+            // error) instead of reading them unwritten.
+            for (&i, &part) in taken.iter().zip(&parts) {
+                restore(&mut locked[i], part);
+                list.lock().unwrap().push(order[i]);
+            }
+            return Err(e);
+        }
         let skip = usize::from(starts);
         marks.iter().try_for_each(|m| m[skip..].iter().try_for_each(|&e| record(e)))
     }
 
     /// Queues the slot's back part, if it waits, and records the copy's end.
     fn queue_back(&self, c: &mut SlotCopy) -> Result<()> {
-        let Some(b) = c.back.take() else { return Ok(()) };
+        let Some(b) = c.back else { return Ok(()) };
         let [_, _, end] = c.events.expect("a slot with a back part has events");
         let stream = self.copy_stream()?;
+        // Taken only once queued: a part that failed to queue still waits, so whatever reads the
+        // slot tries again (and meets the error) instead of reading it unwritten.
         copy_batch(stream, &[b])?;
+        c.back = None;
         // SAFETY: an event of this context, recorded on its copy stream.
         unsafe { cu::event::record(end, stream) }.map_err(|e| anyhow!("cannot record an event: {e}"))?;
         Ok(())
