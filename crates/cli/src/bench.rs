@@ -111,6 +111,8 @@ struct Case {
     slots: usize,
     tok_s: f64,
     hit_rate: f64,
+    /// The pool's LRFU decay at the end of the case and adaptive LRFU's changes of it.
+    decay: (Option<f64>, u64),
     lookahead: Option<f64>,
     bytes_per_token: f64,
     dense_ms: f64,
@@ -349,6 +351,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             slots,
             tok_s: n / secs,
             hit_rate: st.hit_rate().unwrap_or(0.0),
+            decay: pool.decay(),
             lookahead: st.total.lookahead_accuracy(),
             bytes_per_token: st.total.bytes_read as f64 / n,
             dense_ms: tm.dense_ns() as f64 / 1e6 / n,
@@ -615,8 +618,14 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         md.push_str(&format!("| {name} | {:.1}% | {:.1}% |\n", 100.0 * h, 100.0 * h / belady.max(1e-9)));
     }
     md.push_str(&format!(
-        "\nThe pool itself ({} with lookahead prefetch) hit {:.1}% in that run ({:.1}% of Belady's), {:.1}% without the lookahead. Consecutive tokens shared {} of their experts per layer.\n",
+        "\nThe pool itself ({}{} with lookahead prefetch) hit {:.1}% in that run ({:.1}% of Belady's), {:.1}% without the lookahead. Consecutive tokens shared {} of their experts per layer.\n",
         cherenkov_engine::residency::Eviction::DEFAULT.label(),
+        match cases[2].decay {
+            (Some(l), n) if cherenkov_engine::residency::Eviction::DEFAULT == cherenkov_engine::residency::Eviction::Adaptive => {
+                format!(", ranking by lambda {l} at the end after {n} change(s) of decay,")
+            }
+            _ => String::new(),
+        },
         100.0 * cases[2].hit_rate,
         100.0 * cases[2].hit_rate / belady.max(1e-9),
         100.0 * cases[5].hit_rate,
@@ -672,7 +681,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     std::fs::write(stem.with_extension("md"), &md)?;
     let cases_json: Vec<_> = cases
         .iter()
-        .map(|k| json!({"case": k.name, "slots": k.slots, "depth": k.depth, "tok_s": k.tok_s, "tok_s_48_layers": per_layer(k), "loads": k.loads.loads, "loads_from_pinned_file": k.loads.direct, "hit_rate": k.hit_rate, "lookahead_accuracy": k.lookahead,
+        .map(|k| json!({"case": k.name, "slots": k.slots, "depth": k.depth, "tok_s": k.tok_s, "tok_s_48_layers": per_layer(k), "loads": k.loads.loads, "loads_from_pinned_file": k.loads.direct, "hit_rate": k.hit_rate, "decay_lambda": k.decay.0, "decay_changes": k.decay.1, "lookahead_accuracy": k.lookahead,
                         "bytes_per_token": k.bytes_per_token, "dense_ms": k.dense_ms, "experts_ms": k.experts_ms, "wait_ms": k.wait_ms, "queue_ms": k.queue_ms, "cut_per_token": k.cut_per_token,
                         "cpu_experts_per_token": k.cpu_per_token, "cpu_wait_ms": k.cpu_wait_ms, "cpu_expert_ns": k.cpu_rates.map(|r| r.1), "lone_copy_ns": k.cpu_rates.map(|r| r.0)}))
         .collect();

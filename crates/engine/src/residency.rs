@@ -483,6 +483,8 @@ struct Inner {
     /// a router to its copies ([`ExpertPool::replay_ghosts`]).
     adaptive: Option<Adaptive>,
     ghost_steps: Vec<(Vec<Key>, u64)>,
+    /// Times adaptive LRFU changed its decay.
+    switches: u64,
     num_experts: usize,
     /// Tokens seen (LRFU's clock), and the layer of the last acquire (a new token starts when an
     /// acquire's layer is not above it).
@@ -526,6 +528,7 @@ impl Inner {
             self.replay_ghosts();
             if let Some(now) = self.adaptive.as_mut().and_then(|a| a.new_token(self.token)) {
                 self.rerank(now);
+                self.switches += 1;
             }
         }
         self.last_layer = Some(layer);
@@ -767,6 +770,7 @@ impl<M: SlotMemory> ExpertPool<M> {
             adaptive: (eviction == Eviction::Adaptive && slot_count < layers * num_experts)
                 .then(|| Adaptive::new(slot_count, layers)),
             ghost_steps: Vec::new(),
+            switches: 0,
             num_experts,
             token: 0,
             last_layer: None,
@@ -826,6 +830,14 @@ impl<M: SlotMemory> ExpertPool<M> {
     /// How the pool chooses its victims.
     pub fn eviction(&self) -> Eviction {
         self.shared.lock().eviction
+    }
+
+    /// The LRFU decay the pool ranks by now (None under LRU) and how many times adaptive LRFU has
+    /// changed it.
+    pub fn decay(&self) -> (Option<f64>, u64) {
+        let inner = self.shared.lock();
+        let lambda = (inner.eviction != Eviction::Lru).then(|| inner.decay().1);
+        (lambda, inner.switches)
     }
 
     pub fn slot_count(&self) -> usize {

@@ -238,6 +238,15 @@ fn the_pool_hits_what_the_simulator_predicts() {
         assert_eq!((s.total.routed, s.total.inflight), (sim.requests, 0));
         assert_eq!(s.total.hits, sim.hits, "{}", eviction.label());
         hits.push(sim.hits);
+        let (lambda, switches) = pool.decay();
+        match eviction {
+            Eviction::Lru => assert_eq!((lambda, switches), (None, 0)),
+            Eviction::Lrfu { lambda: l } => assert_eq!((lambda, switches), (Some(l), 0)),
+            Eviction::Adaptive => {
+                assert!(switches > 0, "adaptive LRFU never switched");
+                assert!(cherenkov_engine::policy::ADAPTIVE_LAMBDAS.contains(&lambda.unwrap()));
+            }
+        }
     }
     assert!(hits[0] != hits[1] && hits[1] != hits[2], "the policies should differ on this trace: {hits:?}");
     // Adaptive LRFU starts as LRFU(0.03): hitting otherwise, it switched decays (and re-ranked the
