@@ -18,7 +18,10 @@
 //!   input is ready, per stage and persistent.
 //!
 //! It prints microseconds per layer and the bytes' effective bandwidth for each, and marks a
-//! variant whose outputs differ from the per-stage launches'. Results:
+//! variant whose outputs differ from the per-stage launches'. Then the floor every variant
+//! stands on, with no bytes at all: what one software grid barrier costs, and one dependent launch
+//! of an empty kernel (with and without PDL). A layer has about 13 dependent stages, so 13 times
+//! that floor is time no weight streaming can hide unless the next stage's weights move during it. Results:
 //! `benchmark/results/persistent-probe-2026-11-30.txt` and `persistent-probe-ring-2026-11-30.txt`.
 
 use std::ffi::{CString, c_void};
@@ -28,6 +31,15 @@ use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 
 const SOURCE: &str = r#"
+// The sync floor: n grid barriers in a row, nothing else (one block per SM or two).
+extern "C" __global__ void __launch_bounds__(512) barriers(unsigned* bar, int n);
+
+// A dependent launch with no work: waits for its predecessor, lets its successor be scheduled.
+extern "C" __global__ void empty_stage() {
+    asm volatile("griddepcontrol.launch_dependents;");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
 extern "C" __device__ void grid_barrier(unsigned* count, volatile unsigned* gen, unsigned nblocks) {
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -43,6 +55,10 @@ extern "C" __device__ void grid_barrier(unsigned* count, volatile unsigned* gen,
         __threadfence();
     }
     __syncthreads();
+}
+
+extern "C" __global__ void __launch_bounds__(512) barriers(unsigned* bar, int n) {
+    for (int i = 0; i < n; i++) grid_barrier(bar, bar + 1, gridDim.x);
 }
 
 // rows x 2560 int8 weights per stage, stage s at w + off[s] (bytes); x -> y alternate in xs.
@@ -206,6 +222,7 @@ fn probe_kernel_compiles() {
     }
     let p = ptx("sm_90");
     assert!(p.contains(".entry chain(") && p.contains(".entry chain_pipe("));
+    assert!(p.contains(".entry barriers(") && p.contains(".entry empty_stage("));
 }
 
 #[test]
@@ -360,6 +377,60 @@ fn persistent_probe() {
     measure(format!("one launch per stage, grid {big} (a warp per row)"), &|| {
         (0..n).for_each(|s| launch(big, s, s, 0))
     });
+    // The sync floor: grid barriers alone, and dependent launches of an empty kernel.
+    // SAFETY: the module holds both kernels.
+    let (fb, fe) = unsafe {
+        let m = cu::module::load_data(cptx.as_ptr() as *const c_void).unwrap();
+        let get = |name: &str| cu::module::get_function(m, CString::new(name).unwrap()).unwrap();
+        (get("barriers"), get("empty_stage"))
+    };
+    let reps = 1000;
+    let per = |run: &dyn Fn()| {
+        // Median of 7 rounds of `reps`, in microseconds per barrier or launch.
+        let mut v: Vec<f32> = (0..7)
+            .map(|_| {
+                let (a, b) = (gpu.event(true).unwrap(), gpu.event(true).unwrap());
+                gpu.record(&a).unwrap();
+                run();
+                gpu.record(&b).unwrap();
+                b.wait().unwrap();
+                b.since(&a).unwrap()
+            })
+            .collect();
+        v.sort_by(f32::total_cmp);
+        v[3] as f64 * 1e3 / reps as f64
+    };
+    for resident in 1..=per_sm.min(2) {
+        let grid = (sms * resident) as u32;
+        let us = per(&|| {
+            // SAFETY: `barriers` takes (unsigned*, int); its grid is co-resident (at most the
+            // blocks per SM that fit); the counter words start at zero and end at zero.
+            unsafe {
+                gpu.launch_function(
+                    fb,
+                    "barriers",
+                    (grid, 1, 1),
+                    threads,
+                    0,
+                    &[Arg::Ptr(bar.ptr), Arg::I32(reps)],
+                    false,
+                )
+            }
+            .unwrap()
+        });
+        println!("{:64} {us:8.2} us", format!("one grid barrier, grid {grid} x {threads}"));
+        for pdl in [false, true] {
+            let us = per(&|| {
+                for _ in 0..reps {
+                    // SAFETY: `empty_stage` takes nothing and waits for its predecessor.
+                    unsafe { gpu.launch_function(fe, "empty_stage", (grid, 1, 1), threads, 0, &[], pdl) }.unwrap();
+                }
+            });
+            let what =
+                format!("one dependent empty launch{}, grid {grid} x {threads}", if pdl { " with PDL" } else { "" });
+            println!("{what:64} {us:8.2} us");
+        }
+    }
     let bw = cherenkov_cuda::gpu::measure_bandwidth(&gpu, 1 << 30).unwrap();
     println!("device copy bandwidth (read + write): {:.0} GB/s", bw.device / 1e9);
 }
