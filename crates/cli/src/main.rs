@@ -108,7 +108,7 @@ enum Command {
             by the CPU, and cold, with the deadline cut, without the lookahead, and with misses computed on the CPU \
             (--cpu-experts, pinned and not); hit rates, lookahead accuracy, \
             bytes read per token, the time split, per-load read and copy times, the offline cache-policy study (LRU, \
-            LRFU, Belady, replayed from the prompt on so they start as warm as the pool did) on the routing trace, \
+            LRFU at three decays, adaptive LRFU, Belady, replayed from the prompt on so they start as warm as the pool did) on the routing trace, \
             the roofline ratios, and transformers' eager qwen4_exp on the same shape. Results go to --out as \
             markdown and JSON.")]
     Bench(bench::BenchArgs),
