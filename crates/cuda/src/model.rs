@@ -1441,6 +1441,8 @@ impl CudaModel {
         g.record(&ev[1])?;
         self.launch_experts(sc, layout, table, 0, hits, &mut || Ok(()))?;
         g.record(&ev[2])?;
+        // The cache policy's bookkeeping (adaptive LRFU's ghost caches) while the copies run.
+        self.pool.replay_ghosts();
         // The lookahead's reads, behind this block's misses.
         if ahead_of.is_some() {
             ev[5].wait()?;

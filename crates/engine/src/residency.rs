@@ -34,7 +34,9 @@
 //!   by ghost caches that replay a sample of the requests under each
 //!   ([`crate::policy::Adaptive`]); a change of decay re-ranks every record by its own history
 //!   under the new one (a prefetched record that was never used then ranks last). The ghosts
-//!   replay a block's request after its misses are queued ([`ExpertPool::replay_ghosts`]).
+//!   replay a block's request after its misses are queued ([`ExpertPool::replay_ghosts`]; about
+//!   10 us on the blocks they sample, 0.8 us more per acquire on average:
+//!   `crates/engine/tests/pool_host_cost.rs`).
 //! - [`Eviction::Lrfu`]: LRFU's combined recency-frequency (Lee et al.; the same
 //!   arithmetic as the policy simulator, [`crate::policy::Crf`]): each use of an expert adds 1 to a
 //!   value that halves every 1/lambda tokens, and the smallest value goes first, ties to the least
@@ -872,12 +874,13 @@ impl<M: SlotMemory> ExpertPool<M> {
     pub fn acquire_loading(&self, layer: usize, experts: &[usize]) -> Result<Lease<'_, M>> {
         let lease = self.acquire_waking(layer, experts, false)?;
         self.load_queued()?;
-        self.replay_ghosts();
         Ok(lease)
     }
 
-    /// Lets adaptive LRFU's ghost caches replay the steps acquired since they last did (they
-    /// would at the next token's first acquire otherwise, before its misses are queued).
+    /// Lets adaptive LRFU's ghost caches replay the steps acquired since they last did. A caller
+    /// of [`ExpertPool::acquire_loading`] calls it where the host has time to spare (the CUDA
+    /// backend: once a block's copies and resident experts are queued); otherwise the next token's
+    /// first acquire replays them, before its misses are queued.
     pub fn replay_ghosts(&self) {
         self.shared.lock().replay_ghosts();
     }
