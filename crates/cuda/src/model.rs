@@ -716,7 +716,9 @@ impl CudaModel {
         let (mut experts_ns, mut gpu_wait_ns) = (0u64, 0u64);
         for &l in &st.routed {
             let ids: Vec<usize> = ids_host[l * k..(l + 1) * k].iter().map(|&i| i as usize).collect();
-            if mb.map.is_some() {
+            // Every expert resident: the step ran from them; only the accounting is left (one lock,
+            // no lease, where they are all resident as they should be).
+            if mb.map.is_some() && !self.pool.record_hits(l, &ids) {
                 drop(self.pool.acquire(l, &ids)?);
             }
             if let Some(sk) = &self.skew {

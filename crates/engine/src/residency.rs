@@ -1022,6 +1022,54 @@ impl<M: SlotMemory> ExpertPool<M> {
         Ok(())
     }
 
+    /// Records a step of MoE layer `layer` whose `experts` are all resident (`Ready`) as hits,
+    /// exactly as an [`ExpertPool::acquire`] of them and the lease's drop would, under one lock
+    /// and without a lease: for callers that only account for a step the device already ran from
+    /// resident experts (the CUDA backend's replayed steps); in a cache that holds every record,
+    /// which never evicts, without the ranks' upkeep. Returns false, changing nothing,
+    /// where one of them is not resident (the caller then acquires them) or the request is not
+    /// one an acquire would take.
+    pub fn record_hits(&self, layer: usize, experts: &[usize]) -> bool {
+        if self.check_request(layer, experts).is_err() {
+            return false;
+        }
+        let mut guard = self.shared.lock();
+        let inner = &mut *guard;
+        let ready = |s: Option<&usize>| s.is_some_and(|&s| inner.slots[s].state == State::Ready);
+        if !experts.iter().all(|&e| ready(inner.map.get(&(layer, e)))) {
+            return false;
+        }
+        if let Some(t) = self.trace.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+            t.push(crate::policy::Step { layer: layer as u16, experts: experts.iter().map(|&e| e as u16).collect() });
+        }
+        inner.start_step(layer);
+        let base = inner.tick;
+        inner.tick += experts.len() as u64;
+        // A cache that holds every record never evicts: its ranks need no upkeep.
+        let ranked = self.slot_count < self.layers * self.num_experts;
+        for (i, &e) in experts.iter().enumerate() {
+            if ranked {
+                let s = inner.map[&(layer, e)];
+                let rank = inner.use_rank(layer, e, base + i as u64 + 1);
+                let slot = &mut inner.slots[s];
+                // Pinned and released again: an unpinned slot goes back under its new rank.
+                if slot.pins == 0 {
+                    inner.evictable.remove(&slot.rank);
+                    inner.evictable.insert(rank, s);
+                }
+                slot.rank = rank;
+            }
+            self.shared.counters.record_routed(layer, e, Served::Hit);
+        }
+        if inner.adaptive.is_some() {
+            let keys = experts.iter().map(|&e| (layer as u16, e as u16)).collect();
+            inner.ghost_steps.push((keys, inner.token));
+        }
+        drop(guard);
+        self.shared.counters.record_acquire(layer, experts.len() as u64, 0, 0);
+        true
+    }
+
     /// For each of `experts` of MoE layer `layer`, whether it is absent: neither loaded nor being
     /// loaded (what an acquire would count as a miss now).
     pub fn absent(&self, layer: usize, experts: &[usize]) -> Vec<bool> {

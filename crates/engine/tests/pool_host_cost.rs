@@ -74,6 +74,17 @@ fn pool_host_cost() {
                 drop(lease);
                 drop_ns.push(t.elapsed().as_nanos() as f64 / 1e3);
             }
+            // Where every expert fits: the accounting of a step the device ran from resident experts
+            // (the CUDA backend's replayed steps), as one call.
+            let mut record = Vec::new();
+            if slots == layers * 512 {
+                for step in &trace {
+                    let want: Vec<usize> = step.experts.iter().map(|&e| e as usize).collect();
+                    let t = Instant::now();
+                    assert!(pool.record_hits(step.layer as usize, &want));
+                    record.push(t.elapsed().as_nanos() as f64 / 1e3);
+                }
+            }
             // The first tokens fill the cache; count the rest.
             let stat = |v: &mut Vec<f64>| {
                 let mut v = v.split_off(v.len() / 4);
@@ -93,6 +104,10 @@ fn pool_host_cost() {
                 d.1,
                 100.0 * pool.stats().hit_rate().unwrap_or(0.0)
             );
+            if !record.is_empty() {
+                let r = stat(&mut record);
+                println!("{what:20} {:17} record_hits {:5.2} ({:5.2})", eviction.label(), r.0, r.1);
+            }
         }
     }
 }

@@ -991,3 +991,76 @@ fn a_step_runs_its_own_reads_as_one_batch() {
     let e = pool.acquire_loading(1, &[2]).err().expect("the batch failed");
     assert!(format!("{e:#}").contains("could not be queued"), "{e:#}");
 }
+
+#[test]
+fn recording_resident_hits_is_an_acquire_and_a_drop() {
+    let f = fixture();
+    // Two pools fed the same steps: one acquires and drops every step, the other records the
+    // steps whose experts are all resident with `record_hits` and acquires the rest.
+    for eviction in [Eviction::Lru, Eviction::Lrfu { lambda: 0.03 }, Eviction::Adaptive] {
+        let (a, b) = (host_pool_evicting(&f, 7, 1, eviction), host_pool_evicting(&f, 7, 1, eviction));
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let (mut recorded, mut refused) = (0, 0);
+        for _ in 0..400 {
+            let layer = rng.random_range(0..4usize);
+            let mut experts: Vec<usize> = (0..6).collect();
+            // Mostly the popular experts 0-2, so many steps find everything resident.
+            let n = rng.random_range(1..=3usize);
+            experts.truncate(if rng.random_bool(0.8) { 3 } else { 6 });
+            let mut want = Vec::new();
+            while want.len() < n {
+                let e = experts[rng.random_range(0..experts.len())];
+                if !want.contains(&e) {
+                    want.push(e);
+                }
+            }
+            let la = a.acquire(layer, &want).unwrap();
+            la.wait_all().unwrap();
+            let shape_a = shape(&la);
+            drop(la);
+            if b.record_hits(layer, &want) {
+                recorded += 1;
+                assert!(shape_a.iter().all(|e| e.2), "recorded a step the other pool missed: {shape_a:?}");
+            } else {
+                refused += 1;
+                let lb = b.acquire(layer, &want).unwrap();
+                lb.wait_all().unwrap();
+                assert_eq!(shape(&lb), shape_a, "{}", eviction.label());
+            }
+        }
+        assert!(
+            recorded > 50 && refused > 50,
+            "both paths should be exercised: {recorded} recorded, {refused} acquired"
+        );
+        let (sa, sb) = (a.stats(), b.stats());
+        assert_eq!(
+            (sa.total.routed, sa.total.hits, sa.total.misses, sa.total.evictions),
+            (sb.total.routed, sb.total.hits, sb.total.misses, sb.total.evictions),
+            "{}",
+            eviction.label()
+        );
+        assert_eq!(a.expert_stats(2), b.expert_stats(2));
+        assert_eq!(a.decay(), b.decay());
+    }
+    // A cache that holds every record keeps no ranks up to date, and counts the same.
+    let (a, b) = (host_pool(&f, 24, 1), host_pool(&f, 24, 1));
+    for l in 0..4 {
+        a.acquire(l, &[0, 1, 2, 3, 4, 5]).unwrap().wait_all().unwrap();
+        b.acquire(l, &[0, 1, 2, 3, 4, 5]).unwrap().wait_all().unwrap();
+    }
+    for step in 0..40usize {
+        let want = [step % 6, (step + 2) % 6];
+        drop(a.acquire(step % 4, &want).unwrap());
+        assert!(b.record_hits(step % 4, &want));
+    }
+    assert_eq!(a.stats().total.hits, b.stats().total.hits);
+    assert_eq!(a.expert_stats(1), b.expert_stats(1));
+    // A request an acquire would refuse is not recorded either.
+    let pool = host_pool(&f, 7, 1);
+    pool.acquire(0, &[1]).unwrap().wait_all().unwrap();
+    assert!(!pool.record_hits(0, &[1, 1]));
+    assert!(!pool.record_hits(9, &[1]));
+    assert!(!pool.record_hits(0, &[1, 2]), "expert 2 is not resident");
+    assert!(pool.record_hits(0, &[1]));
+    assert_eq!(pool.stats().total.hits, 1);
+}
