@@ -568,6 +568,14 @@ impl CudaModel {
         } else {
             self.queue_step(s, sc, logits, &mut st)?;
         }
+        // The benchmark's synthetic routers draw the next token's noise while the device runs
+        // this step, not before the next step's work is queued (a streamed block drew its own
+        // layer's already).
+        if let Some(sk) = &self.skew {
+            for layer in self.weights.layers.iter().take(self.depth) {
+                sk.prepare_noise(layer.moe.expert_slot, c.num_experts);
+            }
+        }
         s.ngram_context.insert(0, tok);
         s.ngram_context.truncate(c.ngram_size.saturating_sub(1));
         s.pos += 1;
@@ -1443,8 +1451,12 @@ impl CudaModel {
         g.record(&ev[1])?;
         self.launch_experts(sc, layout, table, 0, hits, &mut || Ok(()))?;
         g.record(&ev[2])?;
-        // The cache policy's bookkeeping (adaptive LRFU's ghost caches) while the copies run.
+        // The cache policy's bookkeeping (adaptive LRFU's ghost caches) while the copies run, and
+        // the synthetic routers' next noise for this layer (the benchmark's).
         self.pool.replay_ghosts();
+        if let Some(sk) = &self.skew {
+            sk.prepare_noise(l, e);
+        }
         // The lookahead's reads, behind this block's misses.
         if ahead_of.is_some() {
             ev[5].wait()?;
