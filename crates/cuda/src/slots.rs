@@ -368,18 +368,25 @@ impl DeviceSlots {
     /// Makes the GPU's compute stream wait for the front part of the copy into `slot` (its gate
     /// and up projections), if it may still be running; otherwise as [`DeviceSlots::await_slot`].
     pub fn await_front(&self, slot: usize) -> Result<bool> {
-        let mut c = self.copies[slot].lock().unwrap();
-        if c.front.is_some() {
-            drop(c);
-            self.queue_fronts()?;
-            c = self.copies[slot].lock().unwrap();
-        }
+        let mut c = self.lock_queued(slot)?;
         if !self.settle(&mut c)? {
             return Ok(false);
         }
         let [_, front, _] = c.events.expect("a pending copy has events");
         self.stream_waits_for(front)?;
         Ok(true)
+    }
+
+    /// The slot's copy state, locked, with its front part queued if it was waiting in a batch
+    /// (with the rest of the batch, so their order stays).
+    fn lock_queued(&self, slot: usize) -> Result<std::sync::MutexGuard<'_, SlotCopy>> {
+        let c = self.copies[slot].lock().unwrap();
+        if c.front.is_none() {
+            return Ok(c);
+        }
+        drop(c);
+        self.queue_fronts()?;
+        Ok(self.copies[slot].lock().unwrap())
     }
 
     /// Queues a wait of the compute stream for `event` (recorded on the copy stream).
@@ -393,12 +400,7 @@ impl DeviceSlots {
     /// load from the pinned expert file returns once the copy is queued). Call before queueing work
     /// that reads the slot. Returns whether the stream has to wait.
     pub fn await_slot(&self, slot: usize) -> Result<bool> {
-        let mut c = self.copies[slot].lock().unwrap();
-        if c.front.is_some() {
-            drop(c);
-            self.queue_fronts()?;
-            c = self.copies[slot].lock().unwrap();
-        }
+        let mut c = self.lock_queued(slot)?;
         if c.back.is_some() {
             // Every back part queued before this one first, so backs keep their order.
             drop(c);
@@ -634,13 +636,8 @@ impl DeviceSlots {
     fn copy_pinned(&self, slot: usize, src: &[u8]) -> Result<()> {
         let stream = self.copy_stream()?;
         let t0 = Instant::now();
-        let mut c = self.copies[slot].lock().unwrap();
         // An earlier copy's parts still waiting go first (its end is then recorded).
-        if c.front.is_some() {
-            drop(c);
-            self.queue_fronts()?;
-            c = self.copies[slot].lock().unwrap();
-        }
+        let mut c = self.lock_queued(slot)?;
         self.queue_back(&mut c)?;
         let [_, _, end] = match c.events {
             Some(e) => e,

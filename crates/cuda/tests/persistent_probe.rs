@@ -242,10 +242,10 @@ fn persistent_probe() {
     let cptx = CString::new(ptx(arch)).unwrap();
     gpu.bind().unwrap();
     // SAFETY: a NUL-terminated PTX image; the function names exist in it.
-    let (f, fp) = unsafe {
+    let (f, fp, fb, fe) = unsafe {
         let m = cu::module::load_data(cptx.as_ptr() as *const c_void).unwrap();
         let get = |name: &str| cu::module::get_function(m, CString::new(name).unwrap()).unwrap();
-        (get("chain"), get("chain_pipe"))
+        (get("chain"), get("chain_pipe"), get("barriers"), get("empty_stage"))
     };
     let w = gpu.alloc(total as usize, "weights").unwrap();
     // Random-ish bytes (the values do not matter, the bytes do).
@@ -301,7 +301,8 @@ fn persistent_probe() {
     };
     let launch = |grid: u32, first: i32, last: i32, prefetch: i32| launch_with(false, grid, first, last, prefetch);
     let n = rows.len() as i32;
-    let time = |run: &dyn Fn()| {
+    // The median of 7 timed runs, in microseconds.
+    let median_us = |run: &dyn Fn()| {
         let mut v: Vec<f32> = (0..7)
             .map(|_| {
                 let a = gpu.event(true).unwrap();
@@ -314,8 +315,9 @@ fn persistent_probe() {
             })
             .collect();
         v.sort_by(f32::total_cmp);
-        v[3] as f64 * 1e3 / layers as f64
+        v[3] as f64 * 1e3
     };
+    let time = |run: &dyn Fn()| median_us(run) / layers as f64;
     let report = |what: &str, us: f64| {
         println!("{what:64} {us:8.1} us/layer  {:7.0} GB/s", total as f64 / layers as f64 / us / 1e3);
     };
@@ -378,28 +380,8 @@ fn persistent_probe() {
         (0..n).for_each(|s| launch(big, s, s, 0))
     });
     // The sync floor: grid barriers alone, and dependent launches of an empty kernel.
-    // SAFETY: the module holds both kernels.
-    let (fb, fe) = unsafe {
-        let m = cu::module::load_data(cptx.as_ptr() as *const c_void).unwrap();
-        let get = |name: &str| cu::module::get_function(m, CString::new(name).unwrap()).unwrap();
-        (get("barriers"), get("empty_stage"))
-    };
     let reps = 1000;
-    let per = |run: &dyn Fn()| {
-        // Median of 7 rounds of `reps`, in microseconds per barrier or launch.
-        let mut v: Vec<f32> = (0..7)
-            .map(|_| {
-                let (a, b) = (gpu.event(true).unwrap(), gpu.event(true).unwrap());
-                gpu.record(&a).unwrap();
-                run();
-                gpu.record(&b).unwrap();
-                b.wait().unwrap();
-                b.since(&a).unwrap()
-            })
-            .collect();
-        v.sort_by(f32::total_cmp);
-        v[3] as f64 * 1e3 / reps as f64
-    };
+    let per = |run: &dyn Fn()| median_us(run) / reps as f64;
     for resident in 1..=per_sm.min(2) {
         let grid = (sms * resident) as u32;
         let us = per(&|| {
