@@ -34,8 +34,8 @@
 //!   by ghost caches that replay a sample of the requests under each
 //!   ([`crate::policy::Adaptive`]); a change of decay re-ranks every record by its own history
 //!   under the new one (a prefetched record that was never used then ranks last). The ghosts
-//!   replay a block's request after its misses are queued ([`ExpertPool::replay_ghosts`]; about
-//!   10 us on the blocks they sample, 0.8 us more per acquire on average:
+//!   replay a block's request after its misses are queued ([`ExpertPool::replay_ghosts`]: about
+//!   3 us per block on average, 10-13 on the blocks they sample, on the CPU machine:
 //!   `crates/engine/tests/pool_host_cost.rs`).
 //! - [`Eviction::Lrfu`]: LRFU's combined recency-frequency (Lee et al.; the same
 //!   arithmetic as the policy simulator, [`crate::policy::Crf`]): each use of an expert adds 1 to a
@@ -50,7 +50,8 @@
 //! Adaptive LRFU is the default because no fixed decay is best on every trace: on the calibrated
 //! synthetic traces it is within 0.3 points of the best fixed decay for each trace and cache size
 //! (`benchmark/notes-policy.md`). LRFU with a fixed decay of 0.03 beat LRU on every calibrated
-//! synthetic routing trace, popularity drift included: by 7-12 points of hit rate with 10% of the experts cached, 3-7 with 17% and 1-5
+//! synthetic routing trace, popularity drift included: by 7-12 points of hit rate with 10% of the
+//! experts cached, 3-7 with 17% and 1-5
 //! with 27% (`benchmark/notes-policy.md`).
 //!
 //! # Invariants that must not change
