@@ -240,10 +240,12 @@ impl SkewedRouting {
         if self.skew.noise <= 0.0 {
             return;
         }
-        let next = self.with_layer(layer, num_experts, |l| l.tokens + 1);
-        if self.with_layer(layer, num_experts, |l| l.next_noise.as_ref().is_some_and(|(t, _)| *t == next)) {
-            return;
-        }
+        // The next token's counter, unless its noise is drawn already.
+        let next = self.with_layer(layer, num_experts, |l| {
+            let next = l.tokens + 1;
+            (!l.next_noise.as_ref().is_some_and(|(t, _)| *t == next)).then_some(next)
+        });
+        let Some(next) = next else { return };
         // Drawn outside the lock: the lookahead may route meanwhile.
         let noise = normals(self.noise_seed(layer, next), num_experts);
         self.with_layer(layer, num_experts, |l| l.next_noise = Some((next, noise)));
