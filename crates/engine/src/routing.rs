@@ -243,7 +243,7 @@ impl SkewedRouting {
         // The next token's counter, unless its noise is drawn already.
         let next = self.with_layer(layer, num_experts, |l| {
             let next = l.tokens + 1;
-            (!l.next_noise.as_ref().is_some_and(|(t, _)| *t == next)).then_some(next)
+            l.next_noise.as_ref().is_none_or(|(t, _)| *t != next).then_some(next)
         });
         let Some(next) = next else { return };
         // Drawn outside the lock: the lookahead may route meanwhile.
