@@ -413,7 +413,7 @@ fn tiled_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
         gpu.htod(dtable.ptr, &table)?;
         let act = gpu.alloc(entries.len() * inter * 4, "check act")?;
         let out = gpu.alloc(entries.len() * h * 4, "check out")?;
-        let io = crate::weights::ExpertIo { x: dx.ptr, act: act.ptr, out: out.ptr };
+        let io = crate::weights::ExpertIo { x: dx.ptr, act: act.ptr, out: out.ptr, stamp: 0 };
         // Entry 0 alone, then entries 1 and 2 (a nonzero `first`), as the streaming path does.
         crate::weights::launch_experts(gpu, &layout, record_bytes, dtable.ptr, 0, 1, io, (inter, h), &mut || Ok(()))?;
         crate::weights::launch_experts(gpu, &layout, record_bytes, dtable.ptr, 1, 2, io, (inter, h), &mut || Ok(()))?;

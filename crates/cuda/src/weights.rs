@@ -681,6 +681,8 @@ pub struct ExpertIo {
     pub x: u64,
     pub act: u64,
     pub out: u64,
+    /// Where the gate/up kernel writes the time it started (`stamp_first`, common.cuh); 0: nowhere.
+    pub stamp: u64,
 }
 
 /// Queues the gate/up and down kernels of address-table entries `first..first + n` (records of
@@ -764,6 +766,7 @@ pub fn launch_experts(
             Arg::U64(layout.up_proj.data.offset),
             Arg::U64(off(layout.up_proj.scales)),
             Arg::U64(off(layout.up_proj.biases)),
+            Arg::Ptr(io.stamp),
         ],
     )?;
     between()?;

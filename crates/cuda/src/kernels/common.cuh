@@ -33,6 +33,17 @@ __device__ __forceinline__ void grid_release() {
 #endif
 }
 
+// Writes the GPU's global clock (ns) to `at` from the grid's first thread, if `at` is set: a
+// timestamp taken inside a kernel, where a CUDA event between two kernels would cost the second
+// its early launch (the streamed MoE block's expert timing).
+__device__ __forceinline__ void stamp_first(u64* at) {
+    if (at && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+        u64 t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        *at = t;
+    }
+}
+
 // The usual kernel entry: wait for the previous kernel's results, then let the next one be scheduled.
 __device__ __forceinline__ void grid_enter() {
     grid_wait();

@@ -68,6 +68,9 @@ __device__ __forceinline__ u32 route_key(float v) {
 extern "C" __global__ void route_topk(const float* logits, const float* bias, float model_w, int E, int k, int norm,
                                       int* ids, float* weights, int* ids_host, const u64* map, u64* table,
                                       int* rank_entry) {
+    // The synthetic routers' bias is written by the host before the step is queued, never by a
+    // kernel (it may be host memory mapped for the device): read before waiting for the logits.
+    const float b = bias && (int)threadIdx.x < E ? bias[threadIdx.x] : 0.0f;
     grid_enter();
     __shared__ float scratch[32];
     __shared__ int warp_ties[32];
@@ -86,7 +89,7 @@ extern "C" __global__ void route_topk(const float* logits, const float* bias, fl
         const float mean = s1 / (float)E, var = fmaxf(s2 / (float)E - mean * mean, 0.0f);
         scale = var > 0.0f ? model_w * rsqrtf(var) : 0.0f;
     }
-    const float v = valid ? scale * l + (bias ? bias[e] : 0.0f) : NEG_INF;
+    const float v = valid ? scale * l + b : NEG_INF;
     const float m = block_max(v, scratch);
     const float sum = block_sum(valid ? expf(v - m) : 0.0f, scratch);
     if (e == 0) n_chosen = 0;
@@ -232,8 +235,9 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
 #define EXPERT_KERNELS(B)                                                                                             \
     extern "C" __global__ void expert_gate_up_q##B(const u64* table, int first, const float* x, float* act, int I,     \
                                                    int H, int gs, int rpb, u64 g_w, u64 g_s, u64 g_b, u64 u_w,         \
-                                                   u64 u_s, u64 u_b) {                                                 \
+                                                   u64 u_s, u64 u_b, u64* stamp) {                                     \
         grid_enter();                                                                                                  \
+        stamp_first(stamp);                                                                                            \
         expert_gate_up<B>(table, first, x, act, I, H, gs, rpb, g_w, g_s, g_b, u_w, u_s, u_b);                         \
     }                                                                                                                  \
     extern "C" __global__ void expert_down_q##B(const u64* table, int first, const float* act, float* out, int I,     \
@@ -245,8 +249,9 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
 #define EXPERT_KERNELS_TILED(B, MINB)                                                                                 \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                          \
         expert_gate_up_q##B(const u64* table, int first, const float* x, float* act, int I, int H, int gs, int rpb,  \
-                            u64 g_w, u64 g_s, u64 g_b, u64 u_w, u64 u_s, u64 u_b) {                                   \
+                            u64 g_w, u64 g_s, u64 g_b, u64 u_w, u64 u_s, u64 u_b, u64* stamp) {                       \
         grid_enter();                                                                                                 \
+        stamp_first(stamp);                                                                                           \
         if (rpb & MV_TILED) {                                                                                         \
             expert_gate_up_tiled<B>(table, first, x, act, I, H, gs, rpb & (MV_TILED - 1), g_w, g_s, g_b, u_w, u_s,  \
                                     u_b);                                                                             \
@@ -273,10 +278,13 @@ EXPERT_KERNELS_TILED(8, 3)
 
 // MoE output for one row: y[j] = sum over its top-k ranks r of w[r] * out[entry[r], j] (in rank order,
 // like the CPU) + sigmoid(shared_gate) * shared[j]. With `x` (may be null) it also injects y into
-// the hc residual streams, as hc_inject does: x[s*H+j] += 2 sigmoid(inj[s] / hc) * y[j].
+// the hc residual streams, as hc_inject does: x[s*H+j] += 2 sigmoid(inj[s] / hc) * y[j]. With
+// `stamp`, the time it started (the end of the expert kernels before it).
 extern "C" __global__ void moe_combine(const float* out, const int* entry, const float* w, int k, const float* shared,
-                                       const float* shared_gate, float* y, int H, float* x, const float* inj, int hc) {
+                                       const float* shared_gate, float* y, int H, float* x, const float* inj, int hc,
+                                       u64* stamp) {
     grid_enter();
+    stamp_first(stamp);
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= H) return;
     float acc = 0.0f;
