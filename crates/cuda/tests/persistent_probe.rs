@@ -10,7 +10,8 @@
 //! 8-bit weights of 2560 columns, so bytes = rows x 2560) four times with distinct weights (no L2
 //! reuse), several ways:
 //!
-//! - one launch per stage (today's structure), with and without PDL;
+//! - one launch per stage (today's structure), with and without PDL, and with PDL replayed from a
+//!   CUDA graph (as resident decode steps run);
 //! - one persistent kernel: every block resident, a software grid barrier between stages;
 //! - the same, each warp prefetching its rows of the next stage into L2 before the barrier;
 //! - `chain_pipe`: each warp streams its rows through a ring of `CHERENKOV_PROBE_NBUF` (default 4)
@@ -20,7 +21,7 @@
 //! It prints microseconds per layer and the bytes' effective bandwidth for each, and marks a
 //! variant whose outputs differ from the per-stage launches'. Then the floor every variant
 //! stands on, with no bytes at all: what one software grid barrier costs, and one dependent launch
-//! of an empty kernel (with and without PDL). A layer has about 13 dependent stages, so 13 times
+//! of an empty kernel (with and without PDL, from the host and replayed from a CUDA graph). A layer has about 13 dependent stages, so 13 times
 //! that floor is time no weight streaming can hide unless the next stage's weights move during it. Results:
 //! `benchmark/results/persistent-probe-2026-11-30.txt` and `persistent-probe-ring-2026-11-30.txt`.
 
@@ -343,6 +344,16 @@ fn persistent_probe() {
         measure(format!("one launch per stage with PDL, grid {grid}"), &|| {
             (0..n).for_each(|s| launch_with(true, grid, s, s, 0))
         });
+        // The same launches replayed from a CUDA graph, as resident decode steps run.
+        let graph = gpu
+            .capture(|| {
+                (0..n).for_each(|s| launch_with(true, grid, s, s, 0));
+                Ok(())
+            })
+            .unwrap();
+        measure(format!("one launch per stage with PDL, in a CUDA graph, grid {grid}"), &|| {
+            gpu.replay(&graph).unwrap()
+        });
         measure(format!("persistent, grid {grid}"), &|| launch(grid, 0, n - 1, 0));
         measure(format!("persistent + L2 prefetch of the next stage, grid {grid}"), &|| launch(grid, 0, n - 1, 1));
     }
@@ -410,6 +421,23 @@ fn persistent_probe() {
             });
             let what =
                 format!("one dependent empty launch{}, grid {grid} x {threads}", if pdl { " with PDL" } else { "" });
+            println!("{what:64} {us:8.2} us");
+            // The same launches captured into a CUDA graph and replayed (how decode steps run when
+            // every expert is resident): the floor without the host's launch calls.
+            let graph = gpu
+                .capture(|| {
+                    for _ in 0..reps {
+                        // SAFETY: as above.
+                        unsafe { gpu.launch_function(fe, "empty_stage", (grid, 1, 1), threads, 0, &[], pdl) }?;
+                    }
+                    Ok(())
+                })
+                .unwrap();
+            let us = per(&|| gpu.replay(&graph).unwrap());
+            let what = format!(
+                "one dependent empty launch{} in a CUDA graph, grid {grid} x {threads}",
+                if pdl { " with PDL" } else { "" }
+            );
             println!("{what:64} {us:8.2} us");
         }
     }
