@@ -107,9 +107,19 @@ pub enum Arg {
     F32(f32),
 }
 
+thread_local! {
+    /// Whether this thread's kernel launches go to the side stream ([`Gpu::on_side`]).
+    static ON_SIDE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: sys::CUstream,
+    /// A second compute stream for work that may run beside the compute stream's (see
+    /// [`Gpu::fork`]), and the events that fork it from and join it to the compute stream.
+    side: sys::CUstream,
+    fork_ev: sys::CUevent,
+    join_ev: sys::CUevent,
     pub info: GpuInfo,
     funcs: HashMap<&'static str, sys::CUfunction>,
     _module: sys::CUmodule,
@@ -170,7 +180,61 @@ impl Gpu {
             buf
         };
         let pdl = maj >= 9 && std::env::var_os("CHERENKOV_NO_PDL").is_none();
-        Ok(Arc::new(Gpu { ctx, stream, info, funcs, _module: module, pdl, split_scratch }))
+        let side = cu::stream::create(cu::stream::StreamKind::NonBlocking)
+            .map_err(|e| anyhow::anyhow!("cannot create a CUDA stream: {e}"))?;
+        let event = || {
+            cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map_err(|e| anyhow::anyhow!("cannot create a CUDA event: {e}"))
+        };
+        let (fork_ev, join_ev) = (event()?, event()?);
+        Ok(Arc::new(Gpu { ctx, stream, side, fork_ev, join_ev, info, funcs, _module: module, pdl, split_scratch }))
+    }
+
+    /// The stream kernels are launched on: the compute stream, or the side stream inside
+    /// [`Gpu::on_side`].
+    fn launch_stream(&self) -> sys::CUstream {
+        if ON_SIDE.get() { self.side } else { self.stream }
+    }
+
+    /// Forks the side stream from the compute stream: work queued by a later [`Gpu::on_side`] runs
+    /// after everything queued on the compute stream so far, beside what is queued there next.
+    /// Also inside a graph capture (the side stream joins the capture).
+    pub fn fork(&self) -> Result<()> {
+        // SAFETY: an event and streams of this context.
+        unsafe {
+            cu::event::record(self.fork_ev, self.stream).and_then(|()| {
+                cu::stream::wait_event(self.side, self.fork_ev, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+            })
+        }
+        .map_err(|e| anyhow::anyhow!("cannot fork the side stream: {e}"))
+    }
+
+    /// Launches the kernels `work` queues on the side stream (forked by [`Gpu::fork`]); the compute
+    /// stream waits for them at the next [`Gpu::join`]. Only kernel launches move: copies and
+    /// events stay on the compute stream.
+    pub fn on_side(&self, work: impl FnOnce() -> Result<()>) -> Result<()> {
+        /// Sends launches back to the compute stream however `work` ends.
+        struct Back;
+        impl Drop for Back {
+            fn drop(&mut self) {
+                ON_SIDE.set(false);
+            }
+        }
+        ON_SIDE.set(true);
+        let back = Back;
+        let done = work();
+        drop(back);
+        done?;
+        // SAFETY: an event and a stream of this context.
+        unsafe { cu::event::record(self.join_ev, self.side) }
+            .map_err(|e| anyhow::anyhow!("cannot record the side stream's end: {e}"))
+    }
+
+    /// Makes the compute stream's later work wait for the side stream's ([`Gpu::on_side`]).
+    pub fn join(&self) -> Result<()> {
+        // SAFETY: an event and a stream of this context.
+        unsafe { cu::stream::wait_event(self.stream, self.join_ev, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+            .map_err(|e| anyhow::anyhow!("cannot join the side stream: {e}"))
     }
 
     pub fn bind(&self) -> Result<()> {
@@ -260,8 +324,8 @@ impl Gpu {
         unsafe { self.launch_function(f, name, grid, block, shmem, args, self.pdl) }
     }
 
-    /// Launches kernel `f` (named `name` in errors) on the compute stream, with programmatic stream
-    /// serialization when `pdl`.
+    /// Launches kernel `f` (named `name` in errors) on the compute stream (the side stream inside
+    /// [`Gpu::on_side`]), with programmatic stream serialization when `pdl`.
     ///
     /// # Safety
     /// `f` must be a kernel of a module loaded in this context whose parameters are `args` in order
@@ -295,7 +359,7 @@ impl Gpu {
             // SAFETY: f is a kernel of a loaded module (the caller's contract); every argument is
             // passed by value with the size the kernel declares (8 bytes for pointers/u64, 4 for
             // int/float; the kernel reads only the first 4 bytes of those).
-            return unsafe { cu::launch_kernel(f, grid, (block, 1, 1), shmem, self.stream, &mut ptrs) }
+            return unsafe { cu::launch_kernel(f, grid, (block, 1, 1), shmem, self.launch_stream(), &mut ptrs) }
                 .map_err(|e| anyhow::anyhow!("launch of {name} failed: {e}"));
         }
         // SAFETY: a zeroed attribute is a valid value of this plain C struct.
@@ -310,7 +374,7 @@ impl Gpu {
             blockDimY: 1,
             blockDimZ: 1,
             sharedMemBytes: shmem,
-            hStream: self.stream,
+            hStream: self.launch_stream(),
             attrs: &mut attr,
             numAttrs: 1,
         };

@@ -284,6 +284,9 @@ pub struct CudaModel {
     /// Lookahead: apply the next layer's router to this layer's MoE input and prefetch its experts
     /// behind the step's own misses.
     pub lookahead: bool,
+    /// Every expert resident: the shared expert's down projection on the side stream
+    /// (`CHERENKOV_NO_SIDE_STREAM=1` queues it in line, before the routed experts).
+    shared_beside: bool,
     /// The deadline cut's weight (`--cut-weak`): None waits for every read.
     pub cut_weak: Option<f32>,
     /// Replay steps that never wait for the host (every expert resident) as CUDA graphs.
@@ -444,6 +447,7 @@ impl CudaModel {
             pool,
             skew: None,
             lookahead: true,
+            shared_beside: std::env::var_os("CHERENKOV_NO_SIDE_STREAM").is_none(),
             cut_weak: None,
             cpu_experts: None,
             graphs: std::env::var_os("CHERENKOV_NO_GRAPHS").is_none(),
@@ -1306,12 +1310,19 @@ impl CudaModel {
         // path (the host turn and the misses' copies wait for it): it and the gate go alone, and the
         // shared expert's projections follow the router-ready event.
         let shared_later = !resident;
+        // Every expert resident: the shared expert's down projection runs on the side stream,
+        // beside the routing and the routed experts (it needs only this launch's outputs), and the
+        // combination waits for both.
+        let beside = resident && self.shared_beside;
         let router = [(&m.gate, logits.ptr), (&m.shared_expert_gate, sgate.ptr)];
         let shared_gate_up = [(&m.shared_gate_proj, sg.ptr), (&m.shared_up_proj, su.ptr)];
         if shared_later {
             matvec_many(g, sc.inp.ptr, &router)?;
         } else {
             matvec_many(g, sc.inp.ptr, &[router[0], router[1], shared_gate_up[0], shared_gate_up[1]])?;
+        }
+        if beside {
+            g.fork()?;
         }
         let bias = self.bias_row(mb, l, 0);
         let (table, ranks, weights) = (mb.tables.at(l * k * 8), mb.ranks.at(l * k * 4), mb.weights.at(l * k * 4));
@@ -1361,7 +1372,12 @@ impl CudaModel {
         if shared_later {
             matvec_many(g, sc.inp.ptr, &shared_gate_up)?;
         }
-        m.shared_down_proj.matvec_in(g, MatvecInput::SiluMul(sg.ptr, su.ptr), shared.ptr)?;
+        let shared_down = || m.shared_down_proj.matvec_in(g, MatvecInput::SiluMul(sg.ptr, su.ptr), shared.ptr);
+        if beside {
+            g.on_side(shared_down)?;
+        } else {
+            shared_down()?;
+        }
         st.routed.push(l);
         let layout = &self.store.manifest.experts.layers[l];
         // Clock stamps instead of events where nothing else needs events (the anatomy reads them).
@@ -1404,6 +1420,9 @@ impl CudaModel {
                 g.record(&ev[1])?;
             }
             self.launch_experts(sc, layout, table, 0, k, &mut || Ok(()), if stamp { stamps } else { 0 })?;
+            if beside {
+                g.join()?;
+            }
             combine(g, if stamp { stamps + 8 } else { 0 })?;
             if !st.untimed && self.anatomy {
                 g.record(&ev[2])?;
