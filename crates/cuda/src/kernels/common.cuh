@@ -35,7 +35,7 @@ __device__ __forceinline__ void grid_release() {
 
 // Writes the GPU's global clock (ns) to `at` from the grid's first thread, if `at` is set: a
 // timestamp taken inside a kernel, where a CUDA event between two kernels would cost the second
-// its early launch (the streamed MoE block's expert timing).
+// its early launch (the MoE blocks' expert timing: moe() in model.rs).
 __device__ __forceinline__ void stamp_first(u64* at) {
     if (at && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
         u64 t;
