@@ -656,8 +656,13 @@ impl DeviceSlots {
             unsafe { cu::stream::wait_event(stream, end, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
                 .map_err(|e| anyhow!("cannot order two copies into one slot: {e}"))?;
         }
+        // A step's batch splits each record so the read experts' gate/up kernel can start once
+        // every front landed. A load outside a step's batch (a prefetch, on an IO thread) copies
+        // its record whole at once: nothing waits for its front alone, and a back part left
+        // waiting would be queued only with a later step's batch, behind that step's own copies,
+        // delaying both.
         let front = self.front_bytes.load(Ordering::Relaxed);
-        let split = front > 0 && front < src.len();
+        let split = front > 0 && front < src.len() && BATCHING.get() != 0;
         // The front (or the whole record) waits in the list until the batch ends, or goes now.
         let head = if split { &src[..front] } else { src };
         c.front = Some(Part { src: head.as_ptr(), len: head.len(), dst: self.slot_ptr(slot) });

@@ -442,8 +442,8 @@ mod tests {
             println!();
         }
 
-        // What a lookahead can predict on the random network: the model's logits, popularity and
-        // reuse, not the noise of the token it predicts for.
+        // What a lookahead can predict on the random network: the model's logits, popularity, reuse
+        // and its estimate of the noise of the token it predicts for (`foresight`).
         let r = crate::routing::SkewedRouting::new(skew);
         let base: Vec<Vec<f32>> = (0..layers).map(|l| crate::routing::normals(l as u64, experts)).collect();
         let (mut correct, mut total) = (0usize, 0usize);

@@ -448,11 +448,21 @@ struct Slot {
     generation: u64,
     /// The read in flight (while `Loading`).
     ticket: Option<Arc<Ticket>>,
+    /// A prefetch read the record and no step has used it yet.
+    unused: bool,
 }
 
 impl Slot {
     fn free() -> Slot {
-        Slot { state: State::Free, key: (0, 0), pins: 0, rank: (OrdF64(0.0), 0), generation: 0, ticket: None }
+        Slot {
+            state: State::Free,
+            key: (0, 0),
+            pins: 0,
+            rank: (OrdF64(0.0), 0),
+            generation: 0,
+            ticket: None,
+            unused: false,
+        }
     }
 }
 
@@ -521,6 +531,9 @@ impl Inner {
         let old = self.slots[s].key;
         self.map.remove(&old);
         counters.record_eviction(old.0, old.1);
+        if self.slots[s].unused {
+            counters.record_prefetch_unused(old.0);
+        }
         Some(s)
     }
 
@@ -619,6 +632,7 @@ impl Inner {
             rank,
             generation,
             ticket: Some(Arc::clone(&ticket)),
+            unused: pins == 0,
         };
         self.map.insert((layer, expert), s);
         let demand = pins > 0;
@@ -939,6 +953,7 @@ impl<M: SlotMemory> ExpertPool<M> {
                 }
                 slot.pins += 1;
                 slot.rank = rank;
+                slot.unused = false;
                 let ticket = match slot.state {
                     State::Ready => {
                         hits += 1;

@@ -69,6 +69,7 @@ struct LayerCounters {
     compute_ns: AtomicU64,
     evictions: AtomicU64,
     prefetched: AtomicU64,
+    prefetch_unused: AtomicU64,
     lookahead_predicted: AtomicU64,
     lookahead_routed: AtomicU64,
     lookahead_correct: AtomicU64,
@@ -92,6 +93,7 @@ impl LayerCounters {
             compute_ns: self.compute_ns.load(Relaxed),
             evictions: self.evictions.load(Relaxed),
             prefetched: self.prefetched.load(Relaxed),
+            prefetch_unused: self.prefetch_unused.load(Relaxed),
             lookahead_predicted: self.lookahead_predicted.load(Relaxed),
             lookahead_routed: self.lookahead_routed.load(Relaxed),
             lookahead_correct: self.lookahead_correct.load(Relaxed),
@@ -116,6 +118,7 @@ impl LayerCounters {
             &self.compute_ns,
             &self.evictions,
             &self.prefetched,
+            &self.prefetch_unused,
             &self.lookahead_predicted,
             &self.lookahead_routed,
             &self.lookahead_correct,
@@ -256,6 +259,15 @@ impl PoolCounters {
             return;
         }
         self.layers[layer].prefetched.fetch_add(n, Relaxed);
+    }
+
+    /// A record of `layer` that a prefetch read was evicted before any step used it: its read was
+    /// wasted.
+    pub fn record_prefetch_unused(&self, layer: usize) {
+        if !ENABLED {
+            return;
+        }
+        self.layers[layer].prefetch_unused.fetch_add(1, Relaxed);
     }
 
     /// A prefetch (lookahead) queued a read of expert `expert` of `layer` (the per-expert side of
@@ -511,6 +523,9 @@ pub struct LayerStats {
     pub evictions: u64,
     /// Reads queued by lookahead prefetches.
     pub prefetched: u64,
+    /// Records a prefetch read that were evicted before any step used them (wasted reads; records
+    /// still resident and unused at the snapshot are not counted).
+    pub prefetch_unused: u64,
     /// Experts the lookahead predicted for this layer (at most top-k per prediction).
     pub lookahead_predicted: u64,
     /// Routed experts of steps that had a lookahead prediction.
@@ -540,6 +555,7 @@ impl LayerStats {
         self.compute_ns += o.compute_ns;
         self.evictions += o.evictions;
         self.prefetched += o.prefetched;
+        self.prefetch_unused += o.prefetch_unused;
         self.lookahead_predicted += o.lookahead_predicted;
         self.lookahead_routed += o.lookahead_routed;
         self.lookahead_correct += o.lookahead_correct;

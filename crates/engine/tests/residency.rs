@@ -718,6 +718,17 @@ fn prefetch_queues_behind_misses_and_pins_nothing() {
     check_bytes(&f, &all);
     // With every slot pinned, a prefetch takes nothing.
     assert_eq!(pool.prefetch(3, &[0]), 0);
+    drop(all);
+    // The records prefetched for layer 1 were used before `all` evicted them: no read was wasted.
+    assert_eq!(pool.stats().total.prefetch_unused, 0);
+    // A prefetched record that no step uses before its eviction is a wasted read.
+    assert_eq!(pool.prefetch(3, &[4]), 1);
+    let evicting = pool.acquire(0, &[2, 3, 4, 5]).unwrap();
+    evicting.wait_all().unwrap();
+    check_bytes(&f, &evicting);
+    let st = pool.stats();
+    assert_eq!((st.layers[3].prefetch_unused, st.total.prefetch_unused), (1, 1));
+    drop(evicting);
     // Lookahead accounting.
     pool.record_lookahead(1, &[2, 4], &[2, 3]);
     let st = pool.stats();

@@ -738,6 +738,13 @@ pub fn prometheus(i: Inputs<'_>) -> String {
     e.per_layer("cherenkov_expert_prefetched_total", "counter", "Reads queued by the lookahead.", pool, |s| {
         s.prefetched as f64
     });
+    e.per_layer(
+        "cherenkov_expert_prefetch_unused_total",
+        "counter",
+        "Prefetched records evicted before any step used them.",
+        pool,
+        |s| s.prefetch_unused as f64,
+    );
     e.per_layer("cherenkov_lookahead_predicted_total", "counter", "Experts the lookahead predicted.", pool, |s| {
         s.lookahead_predicted as f64
     });
