@@ -289,6 +289,12 @@ pub struct CudaModel {
     /// (`CHERENKOV_LOOKAHEAD_WIDTH`, for measurements; default top-k). Its accuracy is scored on
     /// its top-k alone.
     lookahead_width: usize,
+    /// At most this many prefetch reads per block, the most likely first (None: every predicted
+    /// miss). Default 2: the link is free for about 1.5 records between a block's misses and the
+    /// next block's router, and a prefetch still copying then delays that block's misses on the one
+    /// copy stream; capped at 2 a streamed layer took 0.218-0.233 ms against 0.254-0.259 uncapped
+    /// (`benchmark/notes-cuda.md`, session 10). `CHERENKOV_LOOKAHEAD_READS=n` sets it, 0 for no cap.
+    lookahead_reads: Option<usize>,
     /// Every expert resident: the shared expert's down projection on the side stream
     /// (`CHERENKOV_NO_SIDE_STREAM=1` queues it in line, before the routed experts).
     shared_beside: bool,
@@ -457,6 +463,11 @@ impl CudaModel {
                 .and_then(|w| w.parse().ok())
                 .unwrap_or(0usize)
                 .clamp(c.num_experts_per_tok, 2 * c.num_experts_per_tok),
+            lookahead_reads: match std::env::var("CHERENKOV_LOOKAHEAD_READS").ok().and_then(|n| n.parse().ok()) {
+                Some(0) => None,
+                Some(n) => Some(n),
+                None => Some(2),
+            },
             shared_beside: std::env::var_os("CHERENKOV_NO_SIDE_STREAM").is_none(),
             cut_weak: None,
             cpu_experts: None,
@@ -1859,7 +1870,17 @@ impl CudaModel {
         // (The IO threads queue the reads, copies from a pinned expert file too: queued from this
         // thread instead, the driver calls delayed the block's next launches, and a streamed layer
         // took 0.240-0.265 ms against 0.218-0.219, measured.)
-        self.pool.prefetch(nl, &guess);
+        match self.lookahead_reads {
+            Some(most) => {
+                let absent = self.pool.absent(nl, &guess);
+                let reads: Vec<usize> =
+                    guess.iter().zip(absent).filter(|(_, a)| *a).map(|(&e, _)| e).take(most).collect();
+                self.pool.prefetch(nl, &reads);
+            }
+            None => {
+                self.pool.prefetch(nl, &guess);
+            }
+        }
         pred[nl] = Some(guess[..k].to_vec());
         Ok(())
     }
