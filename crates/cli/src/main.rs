@@ -102,14 +102,15 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Measure decode on a synthetic model of the released shape on the GPU (writes benchmark/results).
     #[command(long_about = "Measures, on the GPU, decode of a synthetic model of the released Qwen3.8-Flash-Next \
-            shape (random weights, skewed synthetic routers) at --layers depth: every expert resident (also at half \
+            shape (random weights, skewed synthetic routers whose lookahead is right about 80% of the time, \
+            as published cross-layer predictors are; --synthetic-routing) at --layers depth: every expert resident (also at half \
             the depth, to split per-token from per-layer time for the 48-layer figures); the expert cache a \
             --gpu-memory budget leaves the full 48-layer model, with the expert file pinned in the page cache, read \
             by the CPU, and cold, with the deadline cut, without the lookahead, and with misses computed on the CPU \
             (--cpu-experts, pinned and not); hit rates, lookahead accuracy, \
-            bytes read per token, the time split, per-load read and copy times, the offline cache-policy study (LRU, \
+            bytes read per token (and how much of it was prefetched and never used), the time split, per-load read and copy times, the offline cache-policy study (LRU, \
             LRFU at three decays, adaptive LRFU, Belady, replayed from the prompt on so they start as warm as the pool did) on the routing trace, \
-            the roofline ratios, and transformers' eager qwen4_exp on the same shape. Results go to --out as \
+            the roofline ratios (the PCIe bound counts only the bytes steps used), and transformers' eager qwen4_exp on the same shape. Results go to --out as \
             markdown and JSON.")]
     Bench(bench::BenchArgs),
     /// Check the CUDA backend against the CPU reference and the golden logits (on a GPU machine).
