@@ -1515,7 +1515,14 @@ impl CudaModel {
         // file is still running (a prefetch) goes with the read experts, so the resident experts'
         // kernels do not wait for it.
         let landed: Vec<bool> = (0..n_gpu)
-            .map(|i| Ok(entries[i].hit && (!background || mem.landed(entries[i].slot)?)))
+            .map(|i| {
+                let copied = || {
+                    mem.landed(entries[i].slot).with_context(|| {
+                        format!("expert {} of MoE layer {l} ({}), copied ahead", entries[i].expert, layout.layer)
+                    })
+                };
+                Ok(entries[i].hit && (!background || copied()?))
+            })
             .collect::<Result<_>>()?;
         let mut order: Vec<usize> = (0..n_gpu).filter(|&i| landed[i]).collect();
         let hits = order.len();
