@@ -410,17 +410,22 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     // at half the depth (the per-layer extrapolation's second point), then pinned with some misses
     // computed on the CPU.
     if args.quick {
-        let cases = vec![
-            run_case("all experts resident", resident)?,
-            run_case("all experts resident, no CUDA graphs", Spec { graphs: false, ..resident })?,
-            run_case(&format!("{g} budget, page cache warm, expert file pinned"), pinned)?,
-            run_case(&format!("{g} budget, pinned, no lookahead"), Spec { lookahead: false, ..pinned })?,
-            run_case(
-                &format!("all experts resident, first {} layers only", layers / 2),
-                Spec { depth: (layers / 2).max(1), ..resident },
-            )?,
-        ];
-        let per_token_ms = per_token_part(1e3 / cases[0].tok_s, layers, 1e3 / cases[4].tok_s, cases[4].depth);
+        // `CHERENKOV_BENCH_RESIDENT_ONLY` (a measurement knob for kernel work, as
+        // `CHERENKOV_TWICE`): only the resident case at both depths, which no streaming case
+        // changes.
+        let resident_only = std::env::var_os("CHERENKOV_BENCH_RESIDENT_ONLY").is_some();
+        let mut cases = vec![run_case("all experts resident", resident)?];
+        if !resident_only {
+            cases.push(run_case("all experts resident, no CUDA graphs", Spec { graphs: false, ..resident })?);
+            cases.push(run_case(&format!("{g} budget, page cache warm, expert file pinned"), pinned)?);
+            cases.push(run_case(&format!("{g} budget, pinned, no lookahead"), Spec { lookahead: false, ..pinned })?);
+        }
+        cases.push(run_case(
+            &format!("all experts resident, first {} layers only", layers / 2),
+            Spec { depth: (layers / 2).max(1), ..resident },
+        )?);
+        let half = &cases[cases.len() - 1];
+        let per_token_ms = per_token_part(1e3 / cases[0].tok_s, layers, 1e3 / half.tok_s, half.depth);
         let mut md = format!(
             "# Decode benchmark (quick), {}\n\nCommand: `cherenkov bench --quick --layers {} --tokens {} --gpu-memory {} --synthetic-routing {}`  \nGPU: {}; device copy {:.0} GB/s, pinned host-to-device {:.1} GB/s (measured).\n\n",
             today(),

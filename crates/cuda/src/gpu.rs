@@ -130,6 +130,12 @@ pub struct Gpu {
     /// Zeroed scratch of the split matvecs ([`SPLIT_SCRATCH_BYTES`]): their counters are back to
     /// zero after every launch, and launches on the one compute stream never overlap.
     pub split_scratch: DevBuf,
+    /// Kernels launched twice in a row (`CHERENKOV_TWICE`, comma-separated names): a measurement
+    /// of what one launch of a kernel costs where it stands in a step (replayed from a graph, with
+    /// its neighbours overlapping it): the step's time with the kernel doubled, less the step's
+    /// time. The second launch repeats the first's work, so results change only where a kernel
+    /// updates in place (the GDN state, injections into the residual); the timing does not.
+    twice: Vec<String>,
 }
 
 // SAFETY: the raw handles are only used with the context bound; the driver API is thread-safe.
@@ -187,7 +193,22 @@ impl Gpu {
                 .map_err(|e| anyhow::anyhow!("cannot create a CUDA event: {e}"))
         };
         let (fork_ev, join_ev) = (event()?, event()?);
-        Ok(Arc::new(Gpu { ctx, stream, side, fork_ev, join_ev, info, funcs, _module: module, pdl, split_scratch }))
+        let twice = std::env::var("CHERENKOV_TWICE")
+            .map(|v| v.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect())
+            .unwrap_or_default();
+        Ok(Arc::new(Gpu {
+            ctx,
+            stream,
+            side,
+            fork_ev,
+            join_ev,
+            info,
+            funcs,
+            _module: module,
+            pdl,
+            split_scratch,
+            twice,
+        }))
     }
 
     /// The stream kernels are launched on: the compute stream, or the side stream inside
@@ -321,7 +342,12 @@ impl Gpu {
         let f = *self.funcs.get(name).with_context(|| format!("no kernel named {name}"))?;
         // SAFETY: f is a kernel of the loaded module, and every caller passes the arguments its
         // CUDA declaration takes; with PDL every kernel waits for its predecessor (grid_wait).
-        unsafe { self.launch_function(f, name, grid, block, shmem, args, self.pdl) }
+        unsafe {
+            if self.twice.iter().any(|k| k == name) {
+                self.launch_function(f, name, grid, block, shmem, args, self.pdl)?;
+            }
+            self.launch_function(f, name, grid, block, shmem, args, self.pdl)
+        }
     }
 
     /// Launches kernel `f` (named `name` in errors) on the compute stream (the side stream inside

@@ -364,10 +364,13 @@ pub struct TilePlan {
 /// few steps, `L` is halved while the estimated passes x steps drops (the GDN and attention input
 /// projections: one pass of 5 steps instead of two of 3).
 pub fn tile_plan(gpu: &Gpu, tiles: usize, chunks: usize, copies: usize, min_blocks: usize, shmem: usize) -> TilePlan {
-    plan_tiles(sms(gpu), threads_per_sm(), tiles, chunks, copies, min_blocks, shmem)
+    plan_tiles(sms(gpu), threads_per_sm(), tiles, chunks, copies, min_blocks, shmem, 1.0)
 }
 
-/// [`tile_plan`] for a GPU of `sms` multiprocessors and the `per_sm` threads target.
+/// [`tile_plan`] for a GPU of `sms` multiprocessors and the `per_sm` threads target, of which the
+/// launch gets the fraction `share` (a part of a `matvec_many` launch planned jointly: see
+/// [`joint_many`]).
+#[allow(clippy::too_many_arguments)]
 fn plan_tiles(
     sms: usize,
     per_sm: usize,
@@ -376,14 +379,17 @@ fn plan_tiles(
     copies: usize,
     min_blocks: usize,
     shmem: usize,
+    share: f64,
 ) -> TilePlan {
     let l_max = chunks.next_power_of_two().min(MV_THREADS);
     let mut lanes = l_max.min(8);
-    while lanes < l_max && tiles * copies * lanes < sms * per_sm {
+    let target = ((sms * per_sm) as f64 * share) as usize;
+    while lanes < l_max && tiles * copies * lanes < target {
         lanes *= 2;
     }
     let per_sm_blocks = (SM_SHARED / (shmem + 2048)).clamp(1, min_blocks);
-    let cap = (sms * per_sm_blocks).div_ceil(copies.max(1));
+    let wave = ((sms * per_sm_blocks) as f64 * share) as usize;
+    let cap = wave.div_ceil(copies.max(1)).max(1);
     let shape = |lanes: usize| {
         let threads = (tiles * lanes).next_power_of_two().clamp(32, MV_THREADS);
         (threads, tiles.div_ceil(threads / lanes))
@@ -404,18 +410,32 @@ fn plan_tiles(
 }
 
 /// A part of a split launch: `slices` column slices, each run with `plan`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SplitPlan {
     pub slices: usize,
     pub plan: TilePlan,
     pub shmem: usize,
+    /// The fraction of one wave this part's blocks may take (1: the whole GPU; [`joint_many`]).
+    pub share: f64,
+}
+
+/// Whether the parts of a `matvec_many` launch are planned jointly (the default;
+/// `CHERENKOV_MANY_JOINT=0` plans each part for the whole GPU, as before session 11): each part
+/// gets the share of one wave that its bits are of the launch's, so the parts together fill one
+/// wave. The GDN input projection planned part by part took 320 + 384 blocks (qkv, z) against the
+/// 396 that stay resident, 18.6 us per launch; jointly 160 + 96 blocks of 16 lanes, 15.6 us
+/// (`tests/matvec_probe.rs`, `benchmark/results/matvec-probe-2026-11-30.txt`).
+pub fn joint_many() -> bool {
+    use std::sync::OnceLock;
+    static JOINT: OnceLock<bool> = OnceLock::new();
+    *JOINT.get_or_init(|| std::env::var("CHERENKOV_MANY_JOINT").map_or(true, |v| v != "0"))
 }
 
 /// Column slices for a matrix of `rows` x `cols` (tiled format): the columns are halved while the
 /// launch has fewer blocks than multiprocessors and the halves stay whole groups of at least
 /// `MIN_SLICE` chunks (each block then stages only its slice of x and reads fewer chunks per row).
 pub fn split_plan(gpu: &Gpu, rows: usize, cols: usize, bits: u32, gs: usize, min_blocks: usize) -> SplitPlan {
-    split_plan_from(gpu, rows, cols, bits, gs, min_blocks, 1).expect("one slice is always a plan")
+    split_plan_from(gpu, rows, cols, bits, gs, min_blocks, 1, 1.0).expect("one slice is always a plan")
 }
 
 /// [`split_plan`] with at least `min_slices` slices (a power of two); `None` where the columns do
@@ -428,6 +448,7 @@ fn split_plan_from(
     gs: usize,
     min_blocks: usize,
     min_slices: usize,
+    share: f64,
 ) -> Option<SplitPlan> {
     let cpc = chunk_codes(bits);
     let (tiles, chunks) = (rows.div_ceil(MV_R), cols / cpc);
@@ -444,12 +465,14 @@ fn split_plan_from(
     if !k.is_power_of_two() || !splits(k) {
         return None;
     }
-    let mut plan = tile_plan(gpu, tiles, chunks / k, k, min_blocks, shmem_of(k));
-    while plan.blocks * k < sms(gpu) && splits(k * 2) {
+    let plan_k =
+        |k: usize| plan_tiles(sms(gpu), threads_per_sm(), tiles, chunks / k, k, min_blocks, shmem_of(k), share);
+    let mut plan = plan_k(k);
+    while ((plan.blocks * k) as f64) < sms(gpu) as f64 * share && splits(k * 2) {
         k *= 2;
-        plan = tile_plan(gpu, tiles, chunks / k, k, min_blocks, shmem_of(k));
+        plan = plan_k(k);
     }
-    Some(SplitPlan { slices: k, plan, shmem: shmem_of(k) })
+    Some(SplitPlan { slices: k, plan, shmem: shmem_of(k), share })
 }
 
 /// The `matvec_many` kernel for parts of these widths and the blocks of 256 threads per
@@ -501,7 +524,8 @@ fn launch_many(
                 let sp = plans[i];
                 let tiles = lin.rows.div_ceil(MV_R);
                 let per_sm_blocks = (SM_SHARED / (sp.shmem + 2048)).clamp(1, min_blocks);
-                let nb = tiles.div_ceil(threads / sp.plan.lanes).min((sms * per_sm_blocks).div_ceil(sp.slices)).max(1);
+                let wave = (((sms * per_sm_blocks) as f64 * sp.share) as usize).max(1);
+                let nb = tiles.div_ceil(threads / sp.plan.lanes).min(wave.div_ceil(sp.slices)).max(1);
                 grid_x = grid_x.max(nb * sp.slices);
                 shmem = shmem.max(sp.shmem);
                 args.extend([
@@ -571,7 +595,7 @@ pub fn matvec_many_norm(gpu: &Gpu, x: u64, w: u64, parts: &[(&DevLinear, u64)], 
     for (l, _) in parts {
         let Precision::Affine { bits, group_size } = l.precision else { return Ok(false) };
         // At least one slice per group; doubling keeps the slices inside groups.
-        match split_plan_from(gpu, l.rows, cols, bits, group_size, min_blocks, cols / norm.group) {
+        match split_plan_from(gpu, l.rows, cols, bits, group_size, min_blocks, cols / norm.group, 1.0) {
             Some(p) => plans.push(p),
             None => return Ok(false),
         }
@@ -596,9 +620,20 @@ pub fn matvec_many(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)]) -> Result<()>
     for group in parts.chunks(MV_PARTS) {
         let min_blocks = many_kernel(&part_bits(group)).1;
         let mut plans = Vec::with_capacity(group.len());
-        for (l, _) in group {
+        let bytes: Vec<usize> = group
+            .iter()
+            .map(|(l, _)| match l.precision {
+                Precision::Affine { bits, .. } => l.rows * l.cols * bits as usize,
+                Precision::Float { .. } => 0,
+            })
+            .collect();
+        let total = bytes.iter().sum::<usize>().max(1);
+        for ((l, _), b) in group.iter().zip(&bytes) {
             let Precision::Affine { bits, group_size } = l.precision else { unreachable!("tiled formats are affine") };
-            plans.push(split_plan(gpu, l.rows, l.cols, bits, group_size, min_blocks));
+            let share = if joint_many() { *b as f64 / total as f64 } else { 1.0 };
+            let plan = split_plan_from(gpu, l.rows, l.cols, bits, group_size, min_blocks, 1, share)
+                .expect("one slice is always a plan");
+            plans.push(plan);
         }
         launch_many(gpu, MatvecInput::Plain(x), group, &plans, None)?;
     }
@@ -999,7 +1034,7 @@ mod tests {
     /// The released shape's plans on an H200 (132 multiprocessors, the default 512 threads each).
     fn h200(rows: usize, cols: usize, bits: u32, gs: usize, copies: usize, min_blocks: usize) -> TilePlan {
         let shmem = tiled_shmem(bits, gs, cols).expect("a tiled shape");
-        plan_tiles(132, 512, rows.div_ceil(MV_R), cols / chunk_codes(bits), copies, min_blocks, shmem)
+        plan_tiles(132, 512, rows.div_ceil(MV_R), cols / chunk_codes(bits), copies, min_blocks, shmem, 1.0)
     }
 
     #[test]
@@ -1025,7 +1060,24 @@ mod tests {
         let lm = h200(248320, 2560, 4, 64, 1, 3);
         assert_eq!((lm.lanes, lm.threads, lm.blocks), (8, 256, 396));
         // Ten experts' gate/up (MV_GATE_UP tiles of 2 rows: 320 per expert, grid y 10).
-        let gu = plan_tiles(132, 512, 320, 2560 / 32, 10, 3, tiled_shmem(4, 64, 2560).unwrap());
+        let gu = plan_tiles(132, 512, 320, 2560 / 32, 10, 3, tiled_shmem(4, 64, 2560).unwrap(), 1.0);
         assert_eq!((gu.lanes, gu.blocks), (32, 40));
+    }
+
+    #[test]
+    fn parts_planned_jointly_fill_one_wave_together() {
+        // The GDN input projection's qkv (10240 rows) and z (6144) parts planned alone take 320
+        // and 384 blocks against the 396 that `matvec_many_48` keeps resident; each given its
+        // share of the bytes (b and a are 48 rows each) they fit one wave together.
+        let shmem = tiled_shmem(4, 64, 2560).unwrap();
+        let rows = [10240usize, 6144, 48, 48];
+        let total: usize = rows.iter().sum();
+        let alone: usize = rows.iter().map(|&r| plan_tiles(132, 512, r / 4, 80, 1, 3, shmem, 1.0).blocks).sum();
+        assert!(alone > 396, "{alone}");
+        let joint: Vec<TilePlan> =
+            rows.iter().map(|&r| plan_tiles(132, 512, r / 4, 80, 1, 3, shmem, r as f64 / total as f64)).collect();
+        let blocks: usize = joint.iter().map(|p| p.blocks).sum();
+        assert!(blocks <= 396, "{joint:?}");
+        assert_eq!(joint[0], TilePlan { lanes: 16, threads: 256, blocks: 160 });
     }
 }

@@ -259,6 +259,13 @@ __device__ __forceinline__ void mv_stage(const float* __restrict__ x, const MvIn
     __shared__ float mv_sq[32];
     float sq = 0.0f;
     typedef MvFmt<BITS> F;
+#ifdef MV_PROBE_NO_STAGE
+    // Measurement variant (tests/matvec_probe.rs, through CHERENKOV_KERNEL_DEFINES; never defined
+    // in the engine): x is not staged, so the results are wrong and the time is the rest's.
+    __syncthreads();
+    if (ssq && threadIdx.x == 0) *ssq = 0.0f;
+    return;
+#endif
     constexpr int G = F::UNIT / 4;  // float4 slots per unit: 4 or 8
     const int n4 = cols >> 2;
     const bool aligned = (((size_t)x) & 15) == 0;
@@ -412,8 +419,15 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
                     float4 xs[F::SPW];
 #pragma unroll
                     for (int m = 0; m < F::SPW; m++) xs[m] = sx4[mv_slot<F::SLOTS>(c, wi * F::SPW + m)];
+#ifdef MV_PROBE_NO_MATH
+                    // Measurement variant (as MV_PROBE_NO_STAGE): one add per word instead of the
+                    // dequantisation and the products; the results are wrong.
+#pragma unroll
+                    for (int i = 0; i < MV_R; i++) acc[i] += __uint_as_float(mv_word(wc[i], wi) & 0x3fffffffu) * xs[0].x;
+#else
 #pragma unroll
                     for (int i = 0; i < MV_R; i++) acc[i] = mv_word_dot<BITS>(mv_word(wc[i], wi), xs, acc[i]);
+#endif
                 }
                 const float xsum = ssum[c * F::NSUB + p];
 #pragma unroll
