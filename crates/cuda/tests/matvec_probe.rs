@@ -6,15 +6,17 @@
 //!
 //! Session 11 found, launching each kernel of a resident step twice in its graph, that the GDN input
 //! projection costs about as much when its second launch finds the weights in L2 as the first does
-//! from memory: the kernels are held by their structure (staging x per block, the steps a block
-//! makes, the waves), not by bytes. This probe times the engine's own kernels (`matvec_q4` and
-//! `matvec_many_48` of linear.cu, launched with explicit shapes) on the released shape's matrices,
-//! 4-bit with groups of 64, for many shapes: lanes per tile and blocks. Each timing is a CUDA graph
-//! of 48 launches with programmatic dependent launch, as resident steps replay, over copies of
-//! the weights that together pass twice the L2 (so every launch reads memory), replayed 10 times
-//! after a warm-up. Next to them, a plain kernel that only reads the same bytes (16-byte loads, 4
-//! in flight per thread, a grid of 4 blocks per multiprocessor) gives the ceiling for that size
-//! in the same graph. Results: `benchmark/results/matvec-probe-2026-11-30.txt`.
+//! from memory: bytes do not hold these kernels. This probe times the engine's own kernels
+//! (`matvec_q4`, `matvec_many_48`, `expert_gate_up_q4` and `expert_down_q4`, launched with explicit
+//! shapes) on the released shape's matrices, 4-bit with groups of 64, for many shapes: lanes per
+//! tile and blocks. Each timing is a CUDA graph of 48 launches with programmatic dependent launch,
+//! as resident steps replay, over copies of the weights that together pass four times the L2 (so
+//! every launch reads memory), replayed 10 times after a warm-up. Next to them, a plain kernel that
+//! only reads the same bytes (16-byte loads, 4 in flight per thread, a grid of 4 blocks per
+//! multiprocessor) gives the ceiling for that size in the same graph. Run it again with
+//! `CHERENKOV_KERNEL_DEFINES=MV_PROBE_NO_STAGE` or `MV_PROBE_NO_MATH` (linear.cu; wrong results) to
+//! see what staging x and the dequantising arithmetic cost: session 11 found the arithmetic the
+//! largest part. Results: `benchmark/results/matvec-probe-2026-11-30.txt`.
 
 use std::ffi::{CString, c_void};
 
