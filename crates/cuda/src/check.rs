@@ -534,7 +534,7 @@ pub fn block_checks(cuda: &CudaModel, cpu: &CpuModel, rng: &mut Rng, label: &str
                 let rec = g.alloc(nr * 4, "check state")?;
                 g.htod(conv.ptr, &st.conv)?;
                 g.htod(rec.ptr, &st.recurrent)?;
-                let (mut worst_out, mut worst_state) = (0f64, 0f64);
+                let (mut worst_out, mut worst_state, mut worst_conv) = (0f64, 0f64, 0f64);
                 for _ in 0..3 {
                     let hv = rng.normal(h, 1.0);
                     let want = gdn::forward(store, &c, cg, &mut st, &hv);
@@ -542,9 +542,11 @@ pub fn block_checks(cuda: &CudaModel, cpu: &CpuModel, rng: &mut Rng, label: &str
                     cuda.gdn(&sc, gg, &conv, &rec, MatvecOutput::Store(sc.out.ptr))?;
                     worst_out = worst_out.max(rel_err(&read(sc.out.ptr, h)?, &want));
                     worst_state = worst_state.max(rel_err(&read(rec.ptr, nr)?, &st.recurrent));
+                    worst_conv = worst_conv.max(rel_err(&read(conv.ptr, kc)?, &st.conv));
                 }
                 push(format!("layer {i} Gated DeltaNet output (3 tokens)"), worst_out, BLOCK_LIMIT);
                 push(format!("layer {i} Gated DeltaNet state"), worst_state, BLOCK_LIMIT);
+                push(format!("layer {i} Gated DeltaNet conv history"), worst_conv, BLOCK_LIMIT);
             }
             (cherenkov_cpu::weights::Mixer::Attention(ca), Mixer::Attention(ga)) => {
                 // QSA attention over enough tokens to pass its budget.

@@ -42,7 +42,8 @@ use crate::gpu::{Arg, DevBuf, Event, Gpu, Graph, Pinned, blocks};
 use crate::session::{CudaSession, MixerState};
 use crate::slots::DeviceSlots;
 use crate::weights::{
-    DeviceWeights, FoldedNorm, HyperConnection, MatvecInput, MatvecOutput, Mixer, Normed, matvec_many,
+    DeviceWeights, FoldedConv, FoldedNorm, HyperConnection, MatvecInput, MatvecOutput, Mixer, Normed, matvec_many,
+    matvec_many_conv,
 };
 
 /// Precision tags of address-table entries.
@@ -1010,27 +1011,29 @@ impl CudaModel {
     ) -> Result<()> {
         let c = self.config();
         let g = &*self.gpu;
-        let [qkv, z, b, a, conv_out, core] = &sc.big;
-        matvec_many(
-            g,
-            sc.inp.ptr,
-            &[(&gw.in_proj_qkv, qkv.ptr), (&gw.in_proj_z, z.ptr), (&gw.in_proj_b, b.ptr), (&gw.in_proj_a, a.ptr)],
-        )?;
+        let [_, z, b, a, conv_out, core] = &sc.big;
+        // The conv rides on the input projection's launch where it can; otherwise it runs in place
+        // on the projection's output (one thread per channel reads its input before writing).
         let cd = c.gdn_conv_dim();
-        g.launch(
-            "gdn_conv",
-            (blocks(cd, 256), 1, 1),
-            256,
-            0,
-            &[
-                Arg::Ptr(qkv.ptr),
-                Arg::Ptr(conv.ptr),
-                Arg::Ptr(gw.conv1d.ptr),
-                Arg::Ptr(conv_out.ptr),
-                Arg::I32(cd as i32),
-                Arg::I32(c.linear_conv_kernel_dim as i32),
-            ],
-        )?;
+        let folded = FoldedConv { state: conv.ptr, w: gw.conv1d.ptr, k: c.linear_conv_kernel_dim };
+        let parts =
+            [(&gw.in_proj_qkv, conv_out.ptr), (&gw.in_proj_z, z.ptr), (&gw.in_proj_b, b.ptr), (&gw.in_proj_a, a.ptr)];
+        if !matvec_many_conv(g, sc.inp.ptr, &parts, Some(folded))? {
+            g.launch(
+                "gdn_conv",
+                (blocks(cd, 256), 1, 1),
+                256,
+                0,
+                &[
+                    Arg::Ptr(conv_out.ptr),
+                    Arg::Ptr(conv.ptr),
+                    Arg::Ptr(gw.conv1d.ptr),
+                    Arg::Ptr(conv_out.ptr),
+                    Arg::I32(cd as i32),
+                    Arg::I32(c.linear_conv_kernel_dim as i32),
+                ],
+            )?;
+        }
         let (nk, nv, dk, dv) =
             (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
         // Columns split over 4 threads holding their rows in registers where the head fits (the

@@ -169,7 +169,7 @@ impl DevLinear {
                         let min_blocks = many_kernel(&[bits]).1;
                         let split = split_plan(gpu, self.rows, self.cols, bits, group_size, min_blocks);
                         if split.slices > 1 {
-                            return launch_many(gpu, input, &[(self, y)], &[split], None).map(|()| false);
+                            return launch_many(gpu, input, &[(self, y)], &[split], None, None).map(|()| false);
                         }
                     }
                     let a = args(group_size, MV_TILED | plan.lanes);
@@ -502,8 +502,10 @@ fn launch_many(
     parts: &[(&DevLinear, u64)],
     plans: &[SplitPlan],
     norm: Option<FoldedNorm>,
+    conv: Option<FoldedConv>,
 ) -> Result<()> {
     debug_assert!(!parts.is_empty() && parts.len() <= MV_PARTS && parts.len() == plans.len());
+    debug_assert!(conv.is_none() || plans[0].slices == 1);
     let cols = parts[0].0.cols;
     // One block size for the launch: blocks per slice follow from it.
     let threads = plans.iter().map(|p| p.plan.threads).max().unwrap_or(32);
@@ -559,6 +561,10 @@ fn launch_many(
         Some(n) => args.extend([Arg::I32(n.group as i32), Arg::F32(n.eps), Arg::Ptr(n.inv)]),
         None => args.extend([Arg::I32(0), Arg::F32(0.0), Arg::Ptr(0)]),
     }
+    match conv {
+        Some(cv) => args.extend([Arg::Ptr(cv.state), Arg::Ptr(cv.w), Arg::I32(cv.k as i32)]),
+        None => args.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::I32(0)]),
+    }
     gpu.launch(kernel, (grid_x as u32, parts.len() as u32, 1), threads as u32, shmem as u32, &args)
 }
 
@@ -600,8 +606,28 @@ pub fn matvec_many_norm(gpu: &Gpu, x: u64, w: u64, parts: &[(&DevLinear, u64)], 
             None => return Ok(false),
         }
     }
-    launch_many(gpu, MatvecInput::OnePlus(x, w), parts, &plans, Some(norm))?;
+    launch_many(gpu, MatvecInput::OnePlus(x, w), parts, &plans, Some(norm), None)?;
     Ok(true)
+}
+
+/// The Gated DeltaNet's causal depthwise conv of `k` taps folded into the first part of a
+/// `matvec_many` launch (`MvConv` in linear.cu; `gdn_conv` in gdn.cu is the same as a launch of its
+/// own): that part's rows are the conv's channels, `state` its (k - 1) x rows history (oldest
+/// first, shifted in place) and `w` its rows x k weights; the part's output is the conv's, after
+/// silu.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FoldedConv {
+    pub state: u64,
+    pub w: u64,
+    pub k: usize,
+}
+
+/// Whether the GDN conv may ride on its input projection's launch ([`matvec_many_conv`]);
+/// `CHERENKOV_NO_FOLDED_CONV` keeps it a launch of its own.
+pub fn fold_conv() -> bool {
+    use std::sync::OnceLock;
+    static FOLD: OnceLock<bool> = OnceLock::new();
+    *FOLD.get_or_init(|| std::env::var_os("CHERENKOV_NO_FOLDED_CONV").is_none())
 }
 
 /// y_i = W_i x for every part (W_i, y_i) of one input x: one launch per `MV_PARTS` parts when all
@@ -609,15 +635,23 @@ pub fn matvec_many_norm(gpu: &Gpu, x: u64, w: u64, parts: &[(&DevLinear, u64)], 
 /// formats may differ), each part with its own lanes, blocks and column split (`split_plan`);
 /// otherwise one [`DevLinear::matvec`] per part.
 pub fn matvec_many(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)]) -> Result<()> {
-    let Some(&(first, _)) = parts.first() else { return Ok(()) };
+    matvec_many_conv(gpu, x, parts, None).map(|_| ())
+}
+
+/// [`matvec_many`] with `conv` folded into the first part's output where the launch takes it: the
+/// parts fused into one launch, the first part in one column slice, [`fold_conv`]. Returns whether
+/// it did; if not, the first part's output is the plain product and the caller runs the conv.
+pub fn matvec_many_conv(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)], conv: Option<FoldedConv>) -> Result<bool> {
+    let Some(&(first, _)) = parts.first() else { return Ok(false) };
     let fused = parts.len() > 1 && parts.iter().all(|(l, _)| l.cols == first.cols && l.tiled_shmem().is_some());
     if !fused {
         for &(l, y) in parts {
             l.matvec(gpu, x, y)?;
         }
-        return Ok(());
+        return Ok(false);
     }
-    for group in parts.chunks(MV_PARTS) {
+    let mut folded = false;
+    for (gi, group) in parts.chunks(MV_PARTS).enumerate() {
         let min_blocks = many_kernel(&part_bits(group)).1;
         let mut plans = Vec::with_capacity(group.len());
         let bytes: Vec<usize> = group
@@ -635,9 +669,11 @@ pub fn matvec_many(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)]) -> Result<()>
                 .expect("one slice is always a plan");
             plans.push(plan);
         }
-        launch_many(gpu, MatvecInput::Plain(x), group, &plans, None)?;
+        let conv = conv.filter(|c| gi == 0 && plans[0].slices == 1 && c.k > 0 && fold_conv());
+        folded |= conv.is_some();
+        launch_many(gpu, MatvecInput::Plain(x), group, &plans, None, conv)?;
     }
-    Ok(())
+    Ok(folded)
 }
 
 /// Where `hc_up_mix` finds the normalised residual.

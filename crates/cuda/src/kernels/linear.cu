@@ -529,11 +529,41 @@ struct MvNorm {
     float* inv;
 };
 
+// The Gated DeltaNet's causal depthwise conv folded into part 0's output (`k` > 0; that part's
+// rows are the conv's channels and its slices 1): once a block's tiles are written, the block
+// replaces each of their rows v by y[ch] = silu(sum_j w[ch][j] state[j][ch] + w[ch][k-1] v) and
+// shifts the channel's history (the expression of gdn_conv in gdn.cu), so the conv needs no launch
+// of its own.
+struct MvConv {
+    float* state;
+    const float* w;
+    int k;
+};
+
+__device__ __forceinline__ float mv_conv(const MvConv& cv, int ch, int C, float v) {
+    const float* wk = cv.w + (size_t)ch * cv.k;
+    float acc = 0.0f;
+    for (int j = 0; j < cv.k - 1; j++) acc += wk[j] * cv.state[(size_t)j * C + ch];
+    acc += wk[cv.k - 1] * v;
+    for (int j = 0; j + 1 < cv.k - 1; j++) cv.state[(size_t)j * C + ch] = cv.state[(size_t)(j + 1) * C + ch];
+    if (cv.k > 1) cv.state[(size_t)(cv.k - 2) * C + ch] = v;
+    return siluf_(acc);
+}
+
+// The conv over the rows of block `blk`'s tiles (see matvec_many_part).
+__device__ __noinline__ void mv_conv_rows(const MvConv cv, float* y, int rows, int blk, int nb, int L) {
+    const int TB = blockDim.x / L, ntiles = (rows + MV_R - 1) / MV_R;
+    for (int t0 = blk * TB; t0 < ntiles; t0 += nb * TB) {
+        const int end = min(rows, (t0 + TB) * MV_R);
+        for (int r = t0 * MV_R + threadIdx.x; r < end; r += blockDim.x) y[r] = mv_conv(cv, r, rows, y[r]);
+    }
+}
+
 template <int BITS, bool NORM>
 __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, const MvIn in, int cols, int gs,
                                                  float* scratch,
                                                  const u32* W, const u16* S, const u16* B, float* y, int rows, int L,
-                                                 int nb, int ks, const MvNorm nrm) {
+                                                 int nb, int ks, const MvNorm nrm, const MvConv cv) {
     typedef MvFmt<BITS> F;
     if ((int)blockIdx.x >= nb * ks) {  // the whole block: nothing has synchronised yet
         grid_enter();
@@ -557,6 +587,14 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
                                 }
                             },
                             ssq);
+    if (p == 0 && cv.k > 0 && ks == 1) {
+        // The block's tiles are TB = blockDim / L consecutive ones per pass of the grid (mv_core's
+        // units): once their sums are written (visible to the block after the barrier), the conv
+        // runs over their rows in place, after the main loop so that it costs that loop no
+        // registers.
+        __syncthreads();
+        mv_conv_rows(cv, y, rows, blockIdx.x, nb, L);
+    }
     if (ks > 1) {
         __shared__ int mv_last;
         unsigned* counter = (unsigned*)scratch + p;
@@ -606,13 +644,15 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
 #define MV_SEL(v) (p == 0 ? v##0 : p == 1 ? v##1 : p == 2 ? v##2 : v##3)
 // (x2, xs, op): the input transform (MV_IN_*), applied to every part's x.
 // (norm_group, norm_eps, norm_inv): the folded norm (MvNorm; norm_group 0: none).
+// (conv_state, conv_w, conv_k): the conv folded into part 0 (MvConv; conv_k 0: none).
 #define MATVEC_MANY_ARGS                                                                                      \
     const float *x, const float *x2, float xs, int op, int cols, float *scratch, MV_PART_ARGS(0), MV_PART_ARGS(1), \
-        MV_PART_ARGS(2), MV_PART_ARGS(3), int norm_group, float norm_eps, float *norm_inv
+        MV_PART_ARGS(2), MV_PART_ARGS(3), int norm_group, float norm_eps, float *norm_inv, float *conv_state,      \
+        const float *conv_w, int conv_k
 #define MATVEC_MANY_PART(B, NORM)                                                                             \
     matvec_many_part<B, NORM>(x, MvIn{x2, xs, op}, cols, MV_SEL(g), scratch, MV_SEL(W), MV_SEL(S), MV_SEL(Bi),      \
                         MV_SEL(y), MV_SEL(r), MV_SEL(l), MV_SEL(n), MV_SEL(k),                               \
-                        MvNorm{norm_group, norm_eps, norm_inv})
+                        MvNorm{norm_group, norm_eps, norm_inv}, MvConv{conv_state, conv_w, conv_k})
 // (matvec_many_part waits for the previous kernel: mv_core's EARLY.)
 extern "C" __global__ void __launch_bounds__(256, 2) matvec_many(MATVEC_MANY_ARGS) {
     const int p = blockIdx.y;
