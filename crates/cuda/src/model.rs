@@ -1549,18 +1549,29 @@ impl CudaModel {
         g.record(&ev[1])?;
         self.launch_experts(sc, layout, table, 0, hits, &mut || Ok(()), 0)?;
         g.record(&ev[2])?;
-        // The cache policy's bookkeeping (adaptive LRFU's ghost caches) while the copies run.
-        self.pool.replay_ghosts();
-        // The lookahead's reads, behind this block's misses.
-        if ahead_of.is_some() {
-            ev[5].wait()?;
-        }
-        self.look_ahead(mb, l, &experts, ahead_of)?;
-        // The synthetic routers' next noise for this layer (the benchmark's), with its estimate
-        // where a lookahead will predict it: 19 us of host time on the build machine (9.6 without
-        // the estimate), spent after the lookahead's reads are queued rather than before.
-        if let Some(sk) = &self.skew {
-            sk.prepare_noise(l, e, self.lookahead);
+        let look = || -> Result<()> {
+            // The cache policy's bookkeeping (adaptive LRFU's ghost caches) while the copies run.
+            self.pool.replay_ghosts();
+            // The lookahead's reads, behind this block's misses.
+            if ahead_of.is_some() {
+                ev[5].wait()?;
+            }
+            self.look_ahead(mb, l, &experts, ahead_of)?;
+            // The synthetic routers' next noise for this layer (the benchmark's), with its estimate
+            // where a lookahead will predict it: 19 us of host time on the build machine (9.6
+            // without the estimate), spent after the lookahead's reads are queued rather than before.
+            if let Some(sk) = &self.skew {
+                sk.prepare_noise(l, e, self.lookahead);
+            }
+            Ok(())
+        };
+        // Where the host has nothing to wait for before queueing the read experts (copies from the
+        // pinned file, no deadline cut, no experts on the CPU), their kernels and the combination
+        // are queued before the lookahead's work, so that the stream holds them when the copies
+        // land instead of when the host gets to them (`CHERENKOV_READS_FIRST=0`: after it).
+        let early = background && self.cut_weak.is_none() && cpu_job.is_none() && reads_first();
+        if !early {
+            look()?;
         }
         // 4. Reads done: the read experts, then the combination.
         if hits < n_gpu {
@@ -1635,6 +1646,9 @@ impl CudaModel {
         combine(g, if stamped { stamps + 8 } else { 0 })?;
         if st.read_timed.last() == Some(&l) && cpu_ranks.is_empty() {
             g.record(&ev[4])?;
+        }
+        if early {
+            look()?;
         }
         // The slots stay leased until a later event shows these kernels finished.
         st.pending = Some(lease);
@@ -1900,6 +1914,13 @@ impl CudaModel {
 /// Where a record splits into the gate and up projections (every piece of them before it) and the
 /// down projection (every piece of it at or after it), the same for every layer; 0 where the
 /// layouts do not split so.
+/// Whether a streamed block's read experts are queued before its lookahead's work (see `moe`);
+/// `CHERENKOV_READS_FIRST=0` queues them after it.
+fn reads_first() -> bool {
+    static FIRST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FIRST.get_or_init(|| std::env::var("CHERENKOV_READS_FIRST").map_or(true, |v| v != "0"))
+}
+
 fn front_bytes(layers: &[ExpertLayout]) -> usize {
     let spans = |m: &RecordMatrix| [Some(m.data), m.scales, m.biases].into_iter().flatten().collect::<Vec<_>>();
     let mut front = u64::MAX;
