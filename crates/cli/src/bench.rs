@@ -50,6 +50,9 @@ pub struct BenchArgs {
     /// Decode tokens timed per case (after --warmup untimed ones).
     #[arg(long, default_value_t = 128)]
     pub tokens: usize,
+    /// Untimed decode tokens per case before the timed ones: they fill the expert cache, and capture
+    /// the CUDA graph in the cases that replay one; the cache-policy study replays them uncounted,
+    /// as the pool saw them.
     #[arg(long, default_value_t = 8)]
     pub warmup: usize,
     /// The full model's GPU budget to emulate: the expert cache is the share of the experts it would
@@ -73,6 +76,8 @@ pub struct BenchArgs {
     /// Skip the transformers peer.
     #[arg(long)]
     pub no_peer: bool,
+    /// Threads that read missing expert records from the store when the expert file is not
+    /// pinned (the pinned cases copy from the page cache without them).
     #[arg(long, default_value_t = 8)]
     pub io_threads: usize,
     /// Routing weight below which the last case's deadline cut drops late experts.
