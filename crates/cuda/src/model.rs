@@ -1015,7 +1015,7 @@ impl CudaModel {
         // The conv rides on the input projection's launch where it can; otherwise it runs in place
         // on the projection's output (one thread per channel reads its input before writing).
         let cd = c.gdn_conv_dim();
-        let folded = FoldedConv { state: conv.ptr, w: gw.conv1d.ptr, k: c.linear_conv_kernel_dim };
+        let folded = FoldedConv { state: conv.ptr, w: gw.conv1d.ptr, k: c.linear_conv_kernel_dim, channels: cd };
         let parts =
             [(&gw.in_proj_qkv, conv_out.ptr), (&gw.in_proj_z, z.ptr), (&gw.in_proj_b, b.ptr), (&gw.in_proj_a, a.ptr)];
         if !matvec_many_conv(g, sc.inp.ptr, &parts, Some(folded))? {
@@ -1911,9 +1911,6 @@ impl CudaModel {
     }
 }
 
-/// Where a record splits into the gate and up projections (every piece of them before it) and the
-/// down projection (every piece of it at or after it), the same for every layer; 0 where the
-/// layouts do not split so.
 /// Whether a streamed block's read experts are queued before its lookahead's work (see `moe`);
 /// `CHERENKOV_READS_FIRST=0` queues them after it.
 fn reads_first() -> bool {
@@ -1921,6 +1918,9 @@ fn reads_first() -> bool {
     *FIRST.get_or_init(|| std::env::var("CHERENKOV_READS_FIRST").map_or(true, |v| v != "0"))
 }
 
+/// Where a record splits into the gate and up projections (every piece of them before it) and the
+/// down projection (every piece of it at or after it), the same for every layer; 0 where the
+/// layouts do not split so.
 fn front_bytes(layers: &[ExpertLayout]) -> usize {
     let spans = |m: &RecordMatrix| [Some(m.data), m.scales, m.biases].into_iter().flatten().collect::<Vec<_>>();
     let mut front = u64::MAX;

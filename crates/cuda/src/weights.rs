@@ -620,6 +620,8 @@ pub struct FoldedConv {
     pub state: u64,
     pub w: u64,
     pub k: usize,
+    /// The conv's channels: the first part's rows (otherwise nothing is folded).
+    pub channels: usize,
 }
 
 /// Whether the GDN conv may ride on its input projection's launch ([`matvec_many_conv`]);
@@ -639,8 +641,9 @@ pub fn matvec_many(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)]) -> Result<()>
 }
 
 /// [`matvec_many`] with `conv` folded into the first part's output where the launch takes it: the
-/// parts fused into one launch, the first part in one column slice, [`fold_conv`]. Returns whether
-/// it did; if not, the first part's output is the plain product and the caller runs the conv.
+/// parts fused into one launch, the first part in one column slice with `conv.channels` rows, and
+/// [`fold_conv`]. Returns whether it did; if not, the first part's output is the plain product and
+/// the caller runs the conv.
 pub fn matvec_many_conv(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)], conv: Option<FoldedConv>) -> Result<bool> {
     let Some(&(first, _)) = parts.first() else { return Ok(false) };
     let fused = parts.len() > 1 && parts.iter().all(|(l, _)| l.cols == first.cols && l.tiled_shmem().is_some());
@@ -669,7 +672,8 @@ pub fn matvec_many_conv(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)], conv: Op
                 .expect("one slice is always a plan");
             plans.push(plan);
         }
-        let conv = conv.filter(|c| gi == 0 && plans[0].slices == 1 && c.k > 0 && fold_conv());
+        let conv =
+            conv.filter(|c| gi == 0 && plans[0].slices == 1 && c.k > 0 && group[0].0.rows == c.channels && fold_conv());
         folded |= conv.is_some();
         launch_many(gpu, MatvecInput::Plain(x), group, &plans, None, conv)?;
     }
