@@ -299,6 +299,9 @@ pub struct CudaModel {
     /// Every expert resident: the shared expert's down projection on the side stream
     /// (`CHERENKOV_NO_SIDE_STREAM=1` queues it in line, before the routed experts).
     shared_beside: bool,
+    /// Streaming: a block's read experts are queued before its lookahead's host work where the host
+    /// has nothing to wait for (see `moe`; `CHERENKOV_READS_FIRST=0` queues them after it).
+    reads_first: bool,
     /// The deadline cut's weight (`--cut-weak`): None waits for every read.
     pub cut_weak: Option<f32>,
     /// Replay steps that never wait for the host (every expert resident) as CUDA graphs.
@@ -470,6 +473,7 @@ impl CudaModel {
                 None => Some(2),
             },
             shared_beside: std::env::var_os("CHERENKOV_NO_SIDE_STREAM").is_none(),
+            reads_first: std::env::var("CHERENKOV_READS_FIRST").map_or(true, |v| v != "0"),
             cut_weak: None,
             cpu_experts: None,
             graphs: std::env::var_os("CHERENKOV_NO_GRAPHS").is_none(),
@@ -1569,7 +1573,7 @@ impl CudaModel {
         // pinned file, no deadline cut, no experts on the CPU), their kernels and the combination
         // are queued before the lookahead's work, so that the stream holds them when the copies
         // land instead of when the host gets to them (`CHERENKOV_READS_FIRST=0`: after it).
-        let early = background && self.cut_weak.is_none() && cpu_job.is_none() && reads_first();
+        let early = background && self.cut_weak.is_none() && cpu_job.is_none() && self.reads_first;
         if !early {
             look()?;
         }
@@ -1909,13 +1913,6 @@ impl CudaModel {
         pred[nl] = Some(guess[..k].to_vec());
         Ok(())
     }
-}
-
-/// Whether a streamed block's read experts are queued before its lookahead's work (see `moe`);
-/// `CHERENKOV_READS_FIRST=0` queues them after it.
-fn reads_first() -> bool {
-    static FIRST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *FIRST.get_or_init(|| std::env::var("CHERENKOV_READS_FIRST").map_or(true, |v| v != "0"))
 }
 
 /// Where a record splits into the gate and up projections (every piece of them before it) and the
