@@ -314,6 +314,8 @@ pub fn tiled_shmem(bits: u32, gs: usize, cols: usize) -> Option<usize> {
     }
     let cpc = chunk_codes(bits);
     let unit = cpc.min(32);
+    // x as floats and its unit sums; 4-bit rows staged as digits (linear.cu's MV_DP4A) take less,
+    // 3.75 bytes per input.
     let shmem = cols * 4 + cols / unit * 4;
     (cols.is_multiple_of(cpc)
         && gs.is_power_of_two()

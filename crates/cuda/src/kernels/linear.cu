@@ -174,6 +174,7 @@ __device__ __forceinline__ void matvec_affine_sx(const u32* __restrict__ W, cons
 // permute per code), giving 0.5 + q / 2^(BITS+1) exactly; the unit's sum of those times x is
 // 0.5 sum(x) + sum(q x) / 2^(BITS+1), so sum(q x) = 2^(BITS+1) acc - 2^BITS sum(x). For 8 bits the
 // code goes into the low byte of 2^23 (exactly 2^23 + q) and 2^23 is subtracted (exact).
+// 4-bit rows take integer dot products instead (MV_DP4A, below mv_stage): x is staged as digits.
 
 #define MV_TILED 0x10000
 #define MV_R 4
@@ -299,6 +300,123 @@ __device__ __forceinline__ void mv_stage(const float* __restrict__ x, const MvIn
     }
 }
 
+// ---- 4-bit rows by integer dot products (MV_DP4A; `CHERENKOV_KERNEL_DEFINES=MV_NO_DP4A` leaves it out). ----
+//
+// The float core above spends about 2.5 instructions per 4-bit code, most on the integer pipe
+// (benchmark/notes-cuda.md, "Session 12"). Here the products are exact integer dot products of
+// four bytes (dp4a), with the weights' loads, tiles and epilogue unchanged:
+//
+// - A word's codes as bytes: w & 0x0F0F0F0F holds its codes 0, 2, 4, 6, (w >> 4) & 0x0F0F0F0F its
+//   codes 1, 3, 5, 7 (three instructions per 8 codes).
+// - in(x) is staged per unit of 32 inputs (a chunk) as a signed fixed-point number, x = xs q with
+//   xs = max|x| / MVD_QMAX over the unit, q split into three balanced base-256 digits
+//   q = 65536 d2 + 256 d1 + d0, each a signed byte: the rounding of x is at most xs / 2, 2^-23 of
+//   the unit's largest input. Per word of codes the block stages six words of digits: for each digit,
+//   those of the inputs 0, 2, 4, 6 and those of 1, 3, 5, 7.
+// - Per row and unit the three digit sums are exact (|sum| <= 32 * 15 * 128), so the unit's
+//   sum(q x) = xs (65536 D2 + (256 D1 + D0)) has one rounding, where the float core has 32.
+//
+// Shared memory: per chunk 6 words of digits for each of its 4 words of codes (96 bytes, padded
+// to 112 so the 16-byte loads of 8 lanes on consecutive chunks hit distinct bank quads), then per
+// chunk (xs, sum(x)).
+#ifndef MV_NO_DP4A
+#define MV_DP4A 1
+#else
+#define MV_DP4A 0
+#endif
+#define MVD_QMAX 4161536.0f  // 2^22 - 2^15: |q| < 2^22, and d2 = floor((q + 32896) / 65536) <= 64
+#define MVD_CHUNK 7          // uint4 slots per chunk of staged digits
+
+__device__ __forceinline__ const float2* mvd_meta(const float4* sm, int chunks) {
+    return (const float2*)(sm + chunks * MVD_CHUNK);
+}
+
+__device__ __forceinline__ int mvd_dp4a(u32 a, u32 b, int c) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// Stages in(x) (cols inputs, a multiple of 32) as digits and per-chunk (xs, sum) (all threads of
+// the block take part; blockDim.x is a multiple of 32). With `ssq`, thread 0 also writes there the
+// sum of the squares of x itself (before the transform).
+__device__ __forceinline__ void mvd_stage(const float* __restrict__ x, const MvIn& in, float4* sm, int cols,
+                                          float* ssq) {
+    __shared__ float mvd_sq[32];
+    float sq = 0.0f;
+    const int n4 = cols >> 2, chunks = cols >> 5;
+    u16* dig = (u16*)sm;
+    float2* meta = (float2*)mvd_meta(sm, chunks);
+#ifdef MV_PROBE_NO_STAGE
+    // The measurement variant of mv_stage: nothing staged, wrong results.
+    __syncthreads();
+    if (ssq && threadIdx.x == 0) *ssq = 0.0f;
+    return;
+#endif
+    const bool aligned = (((size_t)x) & 15) == 0;
+    const bool aligned2 = (((size_t)in.x2) & 15) == 0;
+#pragma unroll 4
+    for (int base = 0; base < n4; base += blockDim.x) {
+        const int i = base + threadIdx.x;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (i < n4) {
+            v = mv_ld4(x, i, aligned);
+            sq += (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w);
+            if (in.op != MV_IN_PLAIN) {
+                float4 v2 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (mv_in_two(in)) v2 = mv_ld4(in.x2, i, aligned2);
+                v = make_float4(mv_in(v.x, v2.x, in), mv_in(v.y, v2.y, in), mv_in(v.z, v2.z, in), mv_in(v.w, v2.w, in));
+            }
+        }
+        // A chunk's 32 inputs are 8 consecutive threads' float4s.
+        float s = (v.x + v.y) + (v.z + v.w);
+        float mx = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) {
+            s += __shfl_xor_sync(0xffffffffu, s, o);
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        }
+        if (i < n4) {
+            const float inv = mx > 0.0f ? MVD_QMAX / mx : 0.0f;
+            // q = rint(v inv), |q| < 2^22, from the float v inv + 1.5 2^23 (whose low mantissa bits
+            // are q + 2^22). Its balanced digits as bytes: d0 = q mod 256, d1 = floor((q + 128) /
+            // 256) mod 256, d2 = floor((q + 32896) / 65536).
+            const int qx = __float_as_int(fmaf(v.x, inv, 12582912.0f)) - 0x4B400000;
+            const int qy = __float_as_int(fmaf(v.y, inv, 12582912.0f)) - 0x4B400000;
+            const int qz = __float_as_int(fmaf(v.z, inv, 12582912.0f)) - 0x4B400000;
+            const int qw = __float_as_int(fmaf(v.w, inv, 12582912.0f)) - 0x4B400000;
+            // This float4 is half h of word k of chunk c: inputs 0..3 or 4..7 of the word. Its
+            // inputs 0 and 2 are bytes 2h, 2h + 1 of the even words, 1 and 3 of the odd words.
+            const int c = i >> 3, k = (i >> 1) & 3, h = i & 1;
+            u16* w = dig + (c * MVD_CHUNK * 16 + k * 24) / 2 + h;
+            const int e0 = qx, e1 = qz, o0 = qy, o1 = qw;
+            w[0] = (u16)__byte_perm(e0, e1, 0x0040);
+            w[2] = (u16)__byte_perm(o0, o1, 0x0040);
+            w[4] = (u16)__byte_perm((e0 + 128) >> 8, (e1 + 128) >> 8, 0x0040);
+            w[6] = (u16)__byte_perm((o0 + 128) >> 8, (o1 + 128) >> 8, 0x0040);
+            w[8] = (u16)__byte_perm((e0 + 32896) >> 16, (e1 + 32896) >> 16, 0x0040);
+            w[10] = (u16)__byte_perm((o0 + 32896) >> 16, (o1 + 32896) >> 16, 0x0040);
+            if ((i & 7) == 0) meta[c] = make_float2(mx / MVD_QMAX, s);
+        }
+    }
+    if (ssq) {
+        sq = block_sum(sq, mvd_sq);  // ends with __syncthreads
+        if (threadIdx.x == 0) *ssq = sq;
+    } else {
+        __syncthreads();
+    }
+}
+
+// acc_d + the word's 8 codes times the digit d of their inputs, for d = 0, 1, 2 (`e`, `o`: the
+// staged digit words of the even and odd inputs, digit-major).
+__device__ __forceinline__ void mvd_word(u32 w, u32 e0, u32 o0, u32 e1, u32 o1, u32 e2, u32 o2, int& a0, int& a1,
+                                         int& a2) {
+    const u32 lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;
+    a0 = mvd_dp4a(hi, o0, mvd_dp4a(lo, e0, a0));
+    a1 = mvd_dp4a(hi, o1, mvd_dp4a(lo, e1, a1));
+    a2 = mvd_dp4a(hi, o2, mvd_dp4a(lo, e2, a2));
+}
+
 // Tile layouts of the tiled core. MV_PLAIN: tile t is rows 4t..4t+3 of matrix `a`. MV_GATE_UP:
 // tile t is rows 2t, 2t+1 of `a` (gate) and the same rows of `b` (up), so the thread that finishes
 // a tile holds both projections of its rows (the expert kernels write silu(gate) * up directly).
@@ -387,7 +505,12 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
         mv_load<BITS, MODE>(a, bm, tile, c, more && tile < ntiles && c < Cs, rows, C, gpr, gshift, wc, sbc);
     }
     if constexpr (EARLY) grid_enter();
-    mv_stage<BITS>(x, in, sx4, ssum, cols, ssq);
+    constexpr bool DP4A = BITS == 4 && MV_DP4A;
+    if constexpr (DP4A) {
+        mvd_stage(x, in, sx4, cols, ssq);
+    } else {
+        mv_stage<BITS>(x, in, sx4, ssum, cols, ssq);
+    }
 
     float tot[MV_R];
 #pragma unroll
@@ -407,7 +530,35 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
             const int tile2 = pass2 * tpu + sub, c2 = (it2 << lshift) + lt;
             mv_load<BITS, MODE>(a, bm, tile2, c2, more2 && tile2 < ntiles && c2 < Cs, rows, C, gpr, gshift, wn, sbn);
         }
-        if (tile < ntiles && c < Cs) {
+        if (DP4A && tile < ntiles && c < Cs) {
+            // One unit per chunk: its three digit sums per row, then the unit's epilogue.
+            const uint4* xq = (const uint4*)(sx4 + c * MVD_CHUNK);
+            int a0[MV_R], a1[MV_R], a2[MV_R];
+#pragma unroll
+            for (int i = 0; i < MV_R; i++) a0[i] = a1[i] = a2[i] = 0;
+#pragma unroll
+            for (int k = 0; k < 4; k += 2) {
+                const uint4 p = xq[3 * (k >> 1)], q = xq[3 * (k >> 1) + 1], r = xq[3 * (k >> 1) + 2];
+#pragma unroll
+                for (int i = 0; i < MV_R; i++) {
+#ifdef MV_PROBE_NO_MATH
+                    // The measurement variant (as in the float core): one add per word.
+                    a0[i] += (int)(mv_word(wc[i], k) ^ p.x) + (int)(mv_word(wc[i], k + 1) ^ r.w);
+#else
+                    mvd_word(mv_word(wc[i], k), p.x, p.y, p.z, p.w, q.x, q.y, a0[i], a1[i], a2[i]);
+                    mvd_word(mv_word(wc[i], k + 1), q.z, q.w, r.x, r.y, r.z, r.w, a0[i], a1[i], a2[i]);
+#endif
+                }
+            }
+            const float2 mt = mvd_meta(sx4, cols >> 5)[c];
+#pragma unroll
+            for (int i = 0; i < MV_R; i++) {
+                const u32 sb = sbc[i];
+                const float scale = __uint_as_float(sb << 16), bias = __uint_as_float(sb & 0xffff0000u);
+                const float sq = fmaf((float)a2[i], 65536.0f, (float)(a1[i] * 256 + a0[i]));
+                tot[i] = fmaf(scale * mt.x, sq, fmaf(bias, mt.y, tot[i]));
+            }
+        } else if (!DP4A && tile < ntiles && c < Cs) {
 #pragma unroll
             for (int p = 0; p < F::NSUB; p++) {
                 float acc[MV_R];
