@@ -348,6 +348,27 @@ fn threads_per_sm() -> usize {
     })
 }
 
+/// The threads-per-multiprocessor target of the expert kernels' plan (default
+/// [`EXPERT_THREADS_PER_SM`]; `CHERENKOV_EXPERT_THREADS_PER_SM` sets another, a measurement knob
+/// read once).
+fn expert_threads_per_sm() -> usize {
+    use std::sync::OnceLock;
+    static PER_SM: OnceLock<usize> = OnceLock::new();
+    *PER_SM.get_or_init(|| {
+        std::env::var("CHERENKOV_EXPERT_THREADS_PER_SM")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&v| v > 0)
+            .unwrap_or(EXPERT_THREADS_PER_SM)
+    })
+}
+
+/// Half the dense matvecs' target: ten experts' gate/up then take 16 lanes and 20 blocks each,
+/// their down projections 8 lanes and 20 blocks (32 and 16 lanes, 40 blocks at 512). With 4-bit
+/// rows by dp4a, a resident step at 16 layers on the H200 ran at 499.0-505.8 tok/s against
+/// 489.9-495.9 with 512 (three alternating rounds, `benchmark/notes-cuda.md`, "Session 13").
+const EXPERT_THREADS_PER_SM: usize = 256;
+
 /// Launch shape of the tiled core for one matrix: `lanes` per tile (`rpb` = `MV_TILED | lanes`),
 /// `threads` per block, `blocks` per copy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -805,7 +826,8 @@ pub fn launch_experts(
     let up = &layout.up_proj;
     let plan = |rows: usize, tile_rows: usize, cols: usize, bits: u32, shmem: usize| {
         let min_blocks = if bits == 2 { 2 } else { 3 };
-        let p = tile_plan(g, rows.div_ceil(tile_rows), cols / (128 / bits as usize), n, min_blocks, shmem);
+        let (tiles, chunks) = (rows.div_ceil(tile_rows), cols / (128 / bits as usize));
+        let p = plan_tiles(sms(g), expert_threads_per_sm(), tiles, chunks, n, min_blocks, shmem, 1.0);
         (p.blocks as u32, p.threads as u32, shmem as u32, MV_TILED | p.lanes)
     };
     // Experts fill the GPU together: rows per block from the rows of all entries.
@@ -1104,6 +1126,12 @@ mod tests {
         // Ten experts' gate/up (MV_GATE_UP tiles of 2 rows: 320 per expert, grid y 10).
         let gu = plan_tiles(132, 512, 320, 2560 / 32, 10, 3, tiled_shmem(4, 64, 2560).unwrap(), 1.0);
         assert_eq!((gu.lanes, gu.blocks), (32, 40));
+        // At the experts' own target: 16 lanes and 20 blocks; their down projections (2560 rows
+        // of 640 inputs, 640 tiles) 8 lanes and 20 blocks.
+        let gu = plan_tiles(132, EXPERT_THREADS_PER_SM, 320, 80, 10, 3, tiled_shmem(4, 64, 2560).unwrap(), 1.0);
+        assert_eq!((gu.lanes, gu.blocks), (16, 20));
+        let down = plan_tiles(132, EXPERT_THREADS_PER_SM, 640, 20, 10, 3, tiled_shmem(4, 64, 640).unwrap(), 1.0);
+        assert_eq!((down.lanes, down.blocks), (8, 20));
     }
 
     #[test]
