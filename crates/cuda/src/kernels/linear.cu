@@ -465,7 +465,7 @@ __device__ __forceinline__ void mv_load(const MvMat& a, const MvMat& bm, int til
 // first step's weights first and then waits, so with programmatic dependent launch a block that is
 // scheduled before the previous kernel ends has its first weights in flight meanwhile. Only for
 // weights no earlier work writes (the dense matrices, uploaded at load; not expert slots).
-template <int BITS, int MODE, bool EARLY = false, class Emit>
+template <int BITS, int MODE, bool EARLY = false, bool INT = true, class Emit>
 __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const float* __restrict__ x, const MvIn in,
                                         int rows, int C, int Cs, int gpr, int gshift, int L, int blk, int nblk,
                                         Emit emit, float* ssq = nullptr) {
@@ -505,7 +505,7 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
         mv_load<BITS, MODE>(a, bm, tile, c, more && tile < ntiles && c < Cs, rows, C, gpr, gshift, wc, sbc);
     }
     if constexpr (EARLY) grid_enter();
-    constexpr bool DP4A = BITS == 4 && MV_DP4A;
+    constexpr bool DP4A = BITS == 4 && MV_DP4A && INT;
     if constexpr (DP4A) {
         mvd_stage(x, in, sx4, cols, ssq);
     } else {
@@ -730,7 +730,16 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
     const size_t j0 = (size_t)c0 * F::CPC;
     float* ssq_all = scratch + MV_SCRATCH_HEAD + (size_t)MV_PARTS * MV_PART_FLOATS + (size_t)p * MV_MAX_SLICES;
     float* ssq = (NORM && nrm.group > 0 && blk == 0) ? ssq_all + slice : nullptr;
-    mv_core<BITS, MV_PLAIN, true>(a, a, x + j0, mv_in_offset(in, j0), rows, C, Cs, gpr, gshift, L, blk, nb,
+    // The norm-folded launch (the hyper-connection reads: a few hundred rows over the 4 streams'
+    // inputs, in column slices of few steps) keeps the float core: its blocks stage far more inputs than they have steps to amortise the
+    // digits over, and it was 1-3% faster per resident step (benchmark/notes-cuda.md, "Session
+    // 13"). `MV_INT_NORM` gives it the dp4a core too.
+#ifdef MV_INT_NORM
+    constexpr bool INT = true;
+#else
+    constexpr bool INT = !NORM;
+#endif
+    mv_core<BITS, MV_PLAIN, true, INT>(a, a, x + j0, mv_in_offset(in, j0), rows, C, Cs, gpr, gshift, L, blk, nb,
                             [&](int tile, const float* v) {
 #pragma unroll
                                 for (int i = 0; i < MV_R; i++) {
@@ -845,7 +854,13 @@ __device__ __forceinline__ void hc_up_mix_impl(const u32* W, const u16* S, const
     typedef MvFmt<BITS> F;
     const int C = cols / F::CPC, gpr = cols / gs, gshift = __ffs(gs) - 1;
     const MvMat a{(const uint4*)W, S, B};
-    mv_core<BITS, MV_STREAMS, true>(a, a, x, in, H, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,
+    // (`MV_FLOAT_STREAMS`: the float core here, a measurement variant.)
+#ifdef MV_FLOAT_STREAMS
+    constexpr bool INT = false;
+#else
+    constexpr bool INT = true;
+#endif
+    mv_core<BITS, MV_STREAMS, true, INT>(a, a, x, in, H, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,
                               [&](int t, const float* v) {
                                   float acc = 0.0f;
 #pragma unroll
