@@ -339,13 +339,12 @@ pub fn sms(gpu: &Gpu) -> usize {
 fn threads_per_sm() -> usize {
     use std::sync::OnceLock;
     static THREADS_PER_SM: OnceLock<usize> = OnceLock::new();
-    *THREADS_PER_SM.get_or_init(|| {
-        std::env::var("CHERENKOV_MATVEC_THREADS_PER_SM")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|&v| v > 0)
-            .unwrap_or(512)
-    })
+    *THREADS_PER_SM.get_or_init(|| env_count("CHERENKOV_MATVEC_THREADS_PER_SM").unwrap_or(512))
+}
+
+/// A positive count from the environment variable `name`, if it holds one.
+fn env_count(name: &str) -> Option<usize> {
+    std::env::var(name).ok().and_then(|v| v.parse::<usize>().ok()).filter(|&v| v > 0)
 }
 
 /// The threads-per-multiprocessor target of the expert kernels' plan (default
@@ -354,13 +353,7 @@ fn threads_per_sm() -> usize {
 fn expert_threads_per_sm() -> usize {
     use std::sync::OnceLock;
     static PER_SM: OnceLock<usize> = OnceLock::new();
-    *PER_SM.get_or_init(|| {
-        std::env::var("CHERENKOV_EXPERT_THREADS_PER_SM")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|&v| v > 0)
-            .unwrap_or(EXPERT_THREADS_PER_SM)
-    })
+    *PER_SM.get_or_init(|| env_count("CHERENKOV_EXPERT_THREADS_PER_SM").unwrap_or(EXPERT_THREADS_PER_SM))
 }
 
 /// Half the dense matvecs' target: ten experts' gate/up then take 16 lanes and 20 blocks each,
