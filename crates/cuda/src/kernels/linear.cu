@@ -457,6 +457,26 @@ __device__ __forceinline__ void mv_load(const MvMat& a, const MvMat& bm, int til
     }
 }
 
+#ifdef MV_L2_PASS
+// A step's weights (with their scales and biases) requested into L2 only: no registers held, nothing
+// waits for them (the MV_L2_PASS measurement variant of mv_core).
+template <int BITS, int MODE>
+__device__ __forceinline__ void mv_prefetch(const MvMat& a, const MvMat& bm, int tile, int c, int rows, int C,
+                                            int gpr, int gshift) {
+    typedef MvFmt<BITS> F;
+#pragma unroll
+    for (int i = 0; i < MV_R; i++) {
+        const MvMat& m = (MODE == MV_GATE_UP && i >= 2) ? bm : a;
+        const int r = MODE == MV_GATE_UP ? tile * 2 + (i & 1) : MODE == MV_STREAMS ? tile : tile * MV_R + i;
+        const size_t row = (MODE == MV_STREAMS ? (size_t)i * rows : 0) + (size_t)min(r, rows - 1);
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(m.w + row * C + c));
+        const size_t g = row * gpr + ((c * F::CPC) >> gshift);
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(m.s + g));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(m.b + g));
+    }
+}
+#endif
+
 // The tiled core: the tiles of one matrix (or gate/up pair) over the Cs chunks of a column slice,
 // x being that slice's inputs (transformed by `in`, whose x2 is offset like x). `blk` of `nblk`
 // blocks share the tiles (grid stride). Each finished tile calls emit(tile, v) once, from one
@@ -503,6 +523,20 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
     {
         const int tile = pass * tpu + sub, c = lt;
         mv_load<BITS, MODE>(a, bm, tile, c, more && tile < ntiles && c < Cs, rows, C, gpr, gshift, wc, sbc);
+#ifdef MV_L2_PASS
+        // Measurement variant (CHERENKOV_KERNEL_DEFINES=MV_L2_PASS): where one pass covers every
+        // tile, the pass's later steps are requested into L2 at once, so the memory streams the
+        // launch's bytes from its start instead of two steps per lane at a time. Session 8 measured
+        // it on the float core (no gain; arithmetic held the kernels then); with the dp4a core the
+        // loads' issue holds them (benchmark/notes-cuda.md, "Session 13"), so it is worth measuring
+        // again. Not run on a GPU since it was ported.
+        if (more && nunits * tpu >= ntiles && tile < ntiles) {
+            for (int it2 = 1; it2 < nit; it2++) {
+                const int c2 = (it2 << lshift) + lt;
+                if (c2 < Cs) mv_prefetch<BITS, MODE>(a, bm, tile, c2, rows, C, gpr, gshift);
+            }
+        }
+#endif
     }
     if constexpr (EARLY) grid_enter();
     constexpr bool DP4A = BITS == 4 && MV_DP4A && INT;
