@@ -45,6 +45,7 @@ pub const KERNELS: &[&str] = &[
     "qsa_pool_block",
     "qsa_scores",
     "attend",
+    "attn_prep",
     "ple_gate",
     "ple_conv",
     "route_topk",

@@ -50,6 +50,19 @@ use crate::weights::{
 pub const TAG_Q3: u64 = 1 << 63;
 pub const TAG_Q2: u64 = 1 << 62;
 
+/// Whether the attention runs `attn_prep` (one launch) between its projections and `attend`;
+/// `CHERENKOV_NO_FUSED_ATTN_PREP` gives the separate launches it replaced.
+fn fused_attn_prep() -> bool {
+    use std::sync::OnceLock;
+    static FUSED: OnceLock<bool> = OnceLock::new();
+    *FUSED.get_or_init(|| std::env::var_os("CHERENKOV_NO_FUSED_ATTN_PREP").is_none())
+}
+
+/// `attend`'s token splits per head (attention.cu; at most 32, one lane each in the merge).
+const ATTEND_SPLITS: usize = 32;
+/// `attend`'s register slots per lane: head_dim up to 32 x this (attention.cu's ATTEND_R).
+const ATTEND_MAX_R: usize = 8;
+
 /// What a step returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Want {
@@ -151,12 +164,17 @@ pub(crate) struct Scratch {
     pub(crate) inp: DevBuf,
     pub(crate) inj: DevBuf,
     pub(crate) out: DevBuf,
-    pub(crate) big: [DevBuf; 6],
+    pub(crate) big: [DevBuf; 7],
     pub(crate) weights: DevBuf,
     pub(crate) ids: DevBuf,
     pub(crate) act: DevBuf,
     pub(crate) eout: DevBuf,
+    /// The QSA block scores the host reads back past the budget.
     pub(crate) scores: DevBuf,
+    /// `attend`'s per-split partial results ([heads][ATTEND_SPLITS][head_dim + 2]) and its
+    /// per-head-group counters (zero between launches).
+    pub(crate) attn_part: DevBuf,
+    pub(crate) attn_count: DevBuf,
     pub(crate) idx: DevBuf,
     pub(crate) logits: DevBuf,
     pub(crate) moe: MoeBufs,
@@ -166,13 +184,12 @@ pub(crate) struct Scratch {
 }
 
 /// What a captured step depends on besides the step inputs: the session's buffers (its identity
-/// and their generation), whether it ends with the logits, and the attention scratch.
+/// and their generation), whether it ends with the logits, and the depth.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct GraphKey {
     session: u64,
     generation: u64,
     logits: bool,
-    scores: u64,
     depth: usize,
 }
 
@@ -441,13 +458,16 @@ impl CudaModel {
                 z(f32s(widest), "activations")?,
                 z(f32s(widest), "activations")?,
                 z(f32s(widest), "activations")?,
+                z(f32s(widest), "activations")?,
             ],
             weights: z(e.max(1024) * 4, "the routing weights")?,
             ids: z(e.max(1024) * 4, "the routing ids")?,
             act: z(f32s(e * c.moe_intermediate_size), "expert activations")?,
             // One row more than entries: the deadline cut points dropped experts at a zero row.
             eout: z(f32s((e + 1) * c.hidden_size), "expert outputs")?,
-            scores: z(f32s(c.num_attention_heads * 4096), "attention scores")?,
+            scores: z(f32s(4096), "attention scores")?,
+            attn_part: z(f32s(c.num_attention_heads * ATTEND_SPLITS * (c.head_dim + 2)), "attention partials")?,
+            attn_count: z(4 * c.num_attention_heads.max(1), "attention counters")?,
             idx: z(4 * 4096, "attention token lists")?,
             logits: z(f32s(c.vocab_size), "logits")?,
             moe: MoeBufs::new(&gpu, &c, store.manifest.experts.layers.len(), false)?,
@@ -691,15 +711,7 @@ impl CudaModel {
         st: &mut MoeStep<'p>,
     ) -> Result<()> {
         let c = self.config();
-        // Attention scores for every position the session can hold, so no capture-time size
-        // depends on the position.
-        let cap = s.attention_capacity();
-        let need = c.num_attention_heads * cap.max(1) * 4;
-        if sc.scores.bytes < need {
-            sc.scores = self.gpu.zeros(need, "attention scores")?;
-        }
-        let key =
-            GraphKey { session: s.id, generation: s.generation, logits, scores: sc.scores.ptr, depth: self.depth };
+        let key = GraphKey { session: s.id, generation: s.generation, logits, depth: self.depth };
         let mut graphs = self.graph.lock().unwrap_or_else(|e| e.into_inner());
         // A few graphs: decode steps and prompt steps (no logits) alternate.
         const KEEP: usize = 4;
@@ -969,7 +981,7 @@ impl CudaModel {
         let c = self.config();
         let g = &*self.gpu;
         let (h, hc) = (c.hidden_size, c.hc_count);
-        let [e, key, value, kn, qn, gated] = &sc.big;
+        let [e, key, value, kn, qn, gated, _] = &sc.big;
         let (at, n) = (layer * c.ple_embed_dim, c.ple_embed_dim);
         g.upload(e.ptr, &sc.moe.ple_host, at * 4, n * 4)?;
         p.key_proj.matvec(g, e.ptr, key.ptr)?;
@@ -1015,7 +1027,7 @@ impl CudaModel {
     ) -> Result<()> {
         let c = self.config();
         let g = &*self.gpu;
-        let [_, z, b, a, conv_out, core] = &sc.big;
+        let [_, z, b, a, conv_out, core, _] = &sc.big;
         // The conv rides on the input projection's launch where it can; otherwise it runs in place
         // on the projection's output (one thread per channel reads its input before writing).
         let cd = c.gdn_conv_dim();
@@ -1167,7 +1179,151 @@ impl CudaModel {
         let rd = c.rotary_dim() as i32;
         let eps = c.rms_norm_eps as f32;
         let step = sc.step_in.ptr;
-        let [qg, q, gate, k, v, attn] = &sc.big;
+        let [qg, q, gate, k, v, _, iq] = &sc.big;
+        let qsa = c.qsa.as_ref().zip(aw.indexer.as_ref());
+        if fused_attn_prep() {
+            // The four projections of one input in one launch (the index queries and key into
+            // `iq`), then everything up to `attend` in one more (attn_prep in attention.cu).
+            let mut parts = vec![(&aw.q_proj, qg.ptr), (&aw.k_proj, k.ptr), (&aw.v_proj, v.ptr)];
+            if let Some((_, ix)) = qsa {
+                parts.push((&ix.index_qk_proj, iq.ptr));
+            }
+            matvec_many(g, sc.inp.ptr, &parts)?;
+            let (ih, id, ratio, iqn, ikn) = match qsa {
+                Some((q, ix)) => (q.n_heads, q.head_dim, q.compress_ratio, ix.q_layernorm.ptr, ix.k_layernorm.ptr),
+                None => (0, 0, 1, 0, 0),
+            };
+            g.launch(
+                "attn_prep",
+                ((nh + nkv + ih + 1) as u32, 1, 1),
+                128,
+                (d.max(id) * 4) as u32,
+                &[
+                    Arg::Ptr(qg.ptr),
+                    Arg::Ptr(q.ptr),
+                    Arg::Ptr(gate.ptr),
+                    Arg::Ptr(k.ptr),
+                    Arg::Ptr(v.ptr),
+                    Arg::Ptr(st.k.ptr),
+                    Arg::Ptr(st.v.ptr),
+                    Arg::Ptr(iq.ptr),
+                    Arg::Ptr(st.index_keys.ptr),
+                    Arg::Ptr(st.index_blocks.ptr),
+                    Arg::Ptr(aw.q_norm.ptr),
+                    Arg::Ptr(aw.k_norm.ptr),
+                    Arg::Ptr(iqn),
+                    Arg::Ptr(ikn),
+                    Arg::I32(nh as i32),
+                    Arg::I32(nkv as i32),
+                    Arg::I32(d as i32),
+                    Arg::I32(ih as i32),
+                    Arg::I32(id as i32),
+                    Arg::I32(ratio as i32),
+                    Arg::F32(eps),
+                    Arg::Ptr(self.inv_freq.ptr),
+                    Arg::I32(rd),
+                    Arg::Ptr(step),
+                ],
+            )?;
+        } else {
+            self.attn_prep_launches(sc, aw, st)?;
+        }
+        let [_, q, _, _, _, attn, iq] = &sc.big;
+
+        // QSA: which tokens this query sees (None: all of 0..=pos).
+        let mut list: Option<Vec<i32>> = None;
+        if let Some((qsa, _)) = qsa {
+            let ratio = qsa.compress_ratio;
+            let complete = (pos + 1) / ratio;
+            st.blocks = complete;
+            let topk = qsa.block_topk();
+            if complete > topk {
+                if complete * 4 > sc.scores.bytes {
+                    sc.scores = g.zeros(complete * 8, "attention scores")?;
+                }
+                g.launch(
+                    "qsa_scores",
+                    (blocks(complete * 32, 128), 1, 1),
+                    128,
+                    0,
+                    &[
+                        Arg::Ptr(iq.ptr),
+                        Arg::Ptr(st.index_blocks.ptr),
+                        Arg::Ptr(sc.scores.ptr),
+                        Arg::I32(complete as i32),
+                        Arg::I32(qsa.n_heads as i32),
+                        Arg::I32(qsa.head_dim as i32),
+                    ],
+                )?;
+                let mut scores = vec![0f32; complete];
+                g.dtoh(sc.scores.ptr, &mut scores)?;
+                let mut order: Vec<usize> = (0..complete).collect();
+                order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+                let mut chosen: Vec<usize> = order[..topk].to_vec();
+                chosen.sort_unstable();
+                let mut toks: Vec<i32> =
+                    chosen.iter().flat_map(|&b| (b * ratio) as i32..((b + 1) * ratio) as i32).collect();
+                toks.extend((complete * ratio) as i32..=pos as i32);
+                list = Some(toks);
+            }
+        }
+        let n = list.as_ref().map_or(pos + 1, |l| l.len());
+        let idx_ptr = match &list {
+            Some(l) => {
+                if l.len() * 4 > sc.idx.bytes {
+                    sc.idx = g.zeros(l.len() * 8, "attention token lists")?;
+                }
+                g.htod(sc.idx.ptr, l)?;
+                sc.idx.ptr
+            }
+            None => 0,
+        };
+        // Split over the tokens (attention.cu); a block's query heads share their KV head.
+        if d > 32 * ATTEND_MAX_R {
+            bail!("attention head_dim {d} is wider than the CUDA attend kernel takes ({})", 32 * ATTEND_MAX_R);
+        }
+        let group = [4, 2, 1].into_iter().find(|g| (nh / nkv.max(1)).is_multiple_of(*g)).unwrap_or(1);
+        g.launch(
+            "attend",
+            ((nh / group) as u32, ATTEND_SPLITS as u32, 1),
+            32 * group as u32,
+            0,
+            &[
+                Arg::Ptr(q.ptr),
+                Arg::Ptr(st.k.ptr),
+                Arg::Ptr(st.v.ptr),
+                Arg::Ptr(idx_ptr),
+                Arg::I32(n as i32),
+                Arg::Ptr(step),
+                Arg::Ptr(sc.attn_part.ptr),
+                Arg::Ptr(sc.attn_count.ptr),
+                Arg::Ptr(attn.ptr),
+                Arg::I32(nh as i32),
+                Arg::I32(nkv as i32),
+                Arg::I32(d as i32),
+                Arg::F32(1.0 / (d as f32).sqrt()),
+            ],
+        )?;
+        // attn * sigmoid(gate), applied by o_proj as it stages its input.
+        aw.o_proj.matvec_to(g, MatvecInput::MulSigmoid(attn.ptr, gate.ptr), out)
+    }
+
+    /// What `attn_prep` does, as the separate launches it replaced (`CHERENKOV_NO_FUSED_ATTN_PREP=1`,
+    /// for measurements): the q, k, v projections, the query and gate split, the norms and RoPE,
+    /// the index projection, the cache appends and the QSA pool.
+    fn attn_prep_launches(
+        &self,
+        sc: &Scratch,
+        aw: &crate::weights::Attention,
+        st: &crate::session::AttentionState,
+    ) -> Result<()> {
+        let c = self.config();
+        let g = &*self.gpu;
+        let (nh, nkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let rd = c.rotary_dim() as i32;
+        let eps = c.rms_norm_eps as f32;
+        let step = sc.step_in.ptr;
+        let [qg, q, gate, k, v, _, iq] = &sc.big;
         matvec_many(g, sc.inp.ptr, &[(&aw.q_proj, qg.ptr), (&aw.k_proj, k.ptr), (&aw.v_proj, v.ptr)])?;
         g.launch(
             "split_q_gate",
@@ -1195,13 +1351,12 @@ impl CudaModel {
         };
         norm_rope(q.ptr, nh, aw.q_norm.ptr, d)?;
         norm_rope(k.ptr, nkv, aw.k_norm.ptr, d)?;
-        // QSA's index projection (`qg` is free again after split_q_gate): index queries, then the
-        // token's index key.
+        // QSA's index projection: index queries, then the token's index key.
         let qsa = c.qsa.as_ref().zip(aw.indexer.as_ref());
         let mut ikey = (0u64, 0u64, 0usize);
         if let Some((qsa, ix)) = qsa {
-            ix.index_qk_proj.matvec(g, sc.inp.ptr, qg.ptr)?;
-            ikey = (qg.ptr + (qsa.n_heads * qsa.head_dim * 4) as u64, st.index_keys.ptr, qsa.head_dim);
+            ix.index_qk_proj.matvec(g, sc.inp.ptr, iq.ptr)?;
+            ikey = (iq.ptr + (qsa.n_heads * qsa.head_dim * 4) as u64, st.index_keys.ptr, qsa.head_dim);
         }
         let kvd = nkv * d;
         g.launch(
@@ -1221,12 +1376,9 @@ impl CudaModel {
                 Arg::I32(ikey.2 as i32),
             ],
         )?;
-
-        // QSA: which tokens this query sees (None: all of 0..=pos).
-        let mut list: Option<Vec<i32>> = None;
         if let Some((qsa, ix)) = qsa {
             let (ih, id, ratio) = (qsa.n_heads, qsa.head_dim, qsa.compress_ratio);
-            norm_rope(qg.ptr, ih, ix.q_layernorm.ptr, id)?;
+            norm_rope(iq.ptr, ih, ix.q_layernorm.ptr, id)?;
             // Pools the block this token completes, if it completes one.
             g.launch(
                 "qsa_pool_block",
@@ -1245,75 +1397,8 @@ impl CudaModel {
                     Arg::I32(rd),
                 ],
             )?;
-            let complete = (pos + 1) / ratio;
-            st.blocks = complete;
-            let topk = qsa.block_topk();
-            if complete > topk {
-                if complete * 4 > sc.scores.bytes {
-                    sc.scores = g.zeros(complete * 8, "attention scores")?;
-                }
-                g.launch(
-                    "qsa_scores",
-                    (blocks(complete * 32, 128), 1, 1),
-                    128,
-                    0,
-                    &[
-                        Arg::Ptr(qg.ptr),
-                        Arg::Ptr(st.index_blocks.ptr),
-                        Arg::Ptr(sc.scores.ptr),
-                        Arg::I32(complete as i32),
-                        Arg::I32(ih as i32),
-                        Arg::I32(id as i32),
-                    ],
-                )?;
-                let mut scores = vec![0f32; complete];
-                g.dtoh(sc.scores.ptr, &mut scores)?;
-                let mut order: Vec<usize> = (0..complete).collect();
-                order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
-                let mut chosen: Vec<usize> = order[..topk].to_vec();
-                chosen.sort_unstable();
-                let mut toks: Vec<i32> =
-                    chosen.iter().flat_map(|&b| (b * ratio) as i32..((b + 1) * ratio) as i32).collect();
-                toks.extend((complete * ratio) as i32..=pos as i32);
-                list = Some(toks);
-            }
         }
-        let n = list.as_ref().map_or(pos + 1, |l| l.len());
-        if nh * n * 4 > sc.scores.bytes {
-            sc.scores = g.zeros(nh * n * 8, "attention scores")?;
-        }
-        let idx_ptr = match &list {
-            Some(l) => {
-                if l.len() * 4 > sc.idx.bytes {
-                    sc.idx = g.zeros(l.len() * 8, "attention token lists")?;
-                }
-                g.htod(sc.idx.ptr, l)?;
-                sc.idx.ptr
-            }
-            None => 0,
-        };
-        g.launch(
-            "attend",
-            (nh as u32, 1, 1),
-            256,
-            0,
-            &[
-                Arg::Ptr(q.ptr),
-                Arg::Ptr(st.k.ptr),
-                Arg::Ptr(st.v.ptr),
-                Arg::Ptr(idx_ptr),
-                Arg::I32(n as i32),
-                Arg::Ptr(step),
-                Arg::Ptr(sc.scores.ptr),
-                Arg::Ptr(attn.ptr),
-                Arg::I32(nh as i32),
-                Arg::I32(nkv as i32),
-                Arg::I32(d as i32),
-                Arg::F32(1.0 / (d as f32).sqrt()),
-            ],
-        )?;
-        // attn * sigmoid(gate), applied by o_proj as it stages its input.
-        aw.o_proj.matvec_to(g, MatvecInput::MulSigmoid(attn.ptr, gate.ptr), out)
+        Ok(())
     }
 
     /// The MoE block of the step on `sc.inp` into `sc.out` (see the module docs for the handshake).
@@ -1329,7 +1414,7 @@ impl CudaModel {
         let g = &*self.gpu;
         let (h, e, k) = (c.hidden_size, c.num_experts, c.num_experts_per_tok);
         let l = m.expert_slot;
-        let [logits, sg, su, shared, sgate, ahead] = &sc.big;
+        let [logits, sg, su, shared, sgate, ahead, _] = &sc.big;
         let mb = &sc.moe;
         let resident = mb.map.is_some();
         // The router, the shared expert's gate (both 8-bit in MLX conversions; the gate is read only

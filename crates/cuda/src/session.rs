@@ -163,18 +163,6 @@ impl CudaSession {
         })
     }
 
-    /// Tokens the attention layers can hold (the largest; 0 without attention layers).
-    pub fn attention_capacity(&self) -> usize {
-        self.layers
-            .iter()
-            .filter_map(|l| match &l.mixer {
-                MixerState::Attention(a) => Some(a.cap),
-                MixerState::Gdn { .. } => None,
-            })
-            .max()
-            .unwrap_or(0)
-    }
-
     /// Device bytes held by this session.
     pub fn bytes(&self) -> usize {
         self.layers

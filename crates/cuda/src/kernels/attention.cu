@@ -71,45 +71,204 @@ extern "C" __global__ void qsa_scores(const float* q, const float* blocks, float
     if (lane == 0) scores[b] = total * rsqrtf((float)d);
 }
 
-// Attention of one query per head (one block per query head) over n cached tokens: the tokens
-// idx[0..n) when idx is given, else 0..pos (n = pos + 1, pos = step[1]). k and v caches are
-// [tokens, kv_heads, d]; `scores` is scratch of n floats per head.
-extern "C" __global__ void attend(const float* q, const float* kc, const float* vc, const int* idx, int n,
-                                  const int* step, float* scores, float* out, int heads, int kv_heads, int d,
-                                  float scale) {
-    grid_enter();
-    __shared__ float scratch[32];
-    if (!idx) n = step[1] + 1;
-    const int h = blockIdx.x;
-    const int hk = h / (heads / kv_heads);
-    const float* qh = q + (size_t)h * d;
-    float* sc = scores + (size_t)h * n;
-    float m = NEG_INF;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const int t = idx ? idx[i] : i;
-        const float* k = kc + ((size_t)t * kv_heads + hk) * d;
-        float acc = 0.0f;
-        for (int j = 0; j < d; j++) acc += qh[j] * k[j];
-        acc *= scale;
-        sc[i] = acc;
-        m = fmaxf(m, acc);
-    }
-    m = block_max(m, scratch);
-    float sum = 0.0f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const float e = expf(sc[i] - m);
-        sc[i] = e;
-        sum += e;
-    }
-    sum = block_sum(sum, scratch);
-    const float inv = 1.0f / sum;
+// Zero-centred RMSNorm (weight w) and RoPE at `pos` of the d floats `h` in shared memory, by the
+// whole block.
+__device__ __forceinline__ void norm_rope_shared(float* h, const float* w, int d, float eps, const float* inv_freq,
+                                                 int rd, int pos, float* scratch) {
+    float ss = 0.0f;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) ss += h[j] * h[j];
+    ss = block_sum(ss, scratch);
+    const float inv = rsqrtf(ss / (float)d + eps);
+    for (int j = threadIdx.x; j < d; j += blockDim.x) h[j] = h[j] * inv * (1.0f + w[j]);
     __syncthreads();
-    for (int j = threadIdx.x; j < d; j += blockDim.x) {
-        float acc = 0.0f;
-        for (int i = 0; i < n; i++) {
-            const int t = idx ? idx[i] : i;
-            acc += sc[i] * vc[((size_t)t * kv_heads + hk) * d + j];
+    rope_apply(h, inv_freq, rd, pos);
+    __syncthreads();
+}
+
+// Everything between the attention's projections and `attend` in one launch (split_q_gate,
+// norm_rope, kv_append and qsa_pool_block as one). Blocks, by blockIdx.x:
+// - [0, heads): query head h of q_proj's output `qg` ([heads, 2d], query then gate): the query's
+//   norm (q_norm) and RoPE into q, the gate into `gate`.
+// - [heads, heads + kv_heads): the key's norm (k_norm) and RoPE into the K cache at the step's
+//   position (step[1]).
+// - the next `iheads`: QSA index query head's norm (iq_norm) and RoPE in place in `iq`
+//   ([iheads, id], then the token's index key of id floats).
+// - the last: the value into the V cache, the index key into `ikeys`, and when the token completes
+//   a block of `ratio`, the block's pooled key (qsa_pool_block's math, after the append).
+// Dynamic shared memory: max(d, id) floats.
+extern "C" __global__ void attn_prep(const float* qg, float* q, float* gate, const float* k, const float* v, float* kc,
+                                     float* vc, float* iq, float* ikeys, float* iblocks, const float* q_norm,
+                                     const float* k_norm, const float* iq_norm, const float* ik_norm, int heads,
+                                     int kv_heads, int d, int iheads, int id, int ratio, float eps,
+                                     const float* inv_freq, int rd, const int* step) {
+    grid_enter();
+    extern __shared__ float sh[];
+    __shared__ float scratch[32];
+    const int pos = step[1];
+    int b = blockIdx.x;
+    if (b < heads) {
+        const float* src = qg + (size_t)b * 2 * d;
+        for (int j = threadIdx.x; j < d; j += blockDim.x) {
+            sh[j] = src[j];
+            gate[(size_t)b * d + j] = src[d + j];
         }
-        out[(size_t)h * d + j] = acc * inv;
+        __syncthreads();
+        norm_rope_shared(sh, q_norm, d, eps, inv_freq, rd, pos, scratch);
+        for (int j = threadIdx.x; j < d; j += blockDim.x) q[(size_t)b * d + j] = sh[j];
+        return;
+    }
+    b -= heads;
+    if (b < kv_heads) {
+        for (int j = threadIdx.x; j < d; j += blockDim.x) sh[j] = k[(size_t)b * d + j];
+        __syncthreads();
+        norm_rope_shared(sh, k_norm, d, eps, inv_freq, rd, pos, scratch);
+        float* dst = kc + ((size_t)pos * kv_heads + b) * d;
+        for (int j = threadIdx.x; j < d; j += blockDim.x) dst[j] = sh[j];
+        return;
+    }
+    b -= kv_heads;
+    if (b < iheads) {
+        float* h = iq + (size_t)b * id;
+        for (int j = threadIdx.x; j < id; j += blockDim.x) sh[j] = h[j];
+        __syncthreads();
+        norm_rope_shared(sh, iq_norm, id, eps, inv_freq, rd, pos, scratch);
+        for (int j = threadIdx.x; j < id; j += blockDim.x) h[j] = sh[j];
+        return;
+    }
+    const int kvd = kv_heads * d;
+    for (int i = threadIdx.x; i < kvd; i += blockDim.x) vc[(size_t)pos * kvd + i] = v[i];
+    if (iheads == 0) return;
+    const float* ikey = iq + (size_t)iheads * id;
+    for (int j = threadIdx.x; j < id; j += blockDim.x) ikeys[(size_t)pos * id + j] = ikey[j];
+    if ((pos + 1) % ratio != 0) return;
+    __syncthreads();  // the appended key is read back below
+    const int blk = (pos + 1) / ratio - 1;
+    for (int j = threadIdx.x; j < id; j += blockDim.x) {
+        float acc = 0.0f;
+        for (int t = blk * ratio; t < (blk + 1) * ratio; t++) acc += ikeys[(size_t)t * id + j];
+        sh[j] = acc / (float)ratio;
+    }
+    __syncthreads();
+    norm_rope_shared(sh, ik_norm, id, eps, inv_freq, rd, blk * ratio, scratch);
+    for (int j = threadIdx.x; j < id; j += blockDim.x) iblocks[(size_t)blk * id + j] = sh[j];
+}
+
+// Attention of one query per head over n cached tokens: the tokens idx[0..n) when idx is given,
+// else 0..pos (n = pos + 1, pos = step[1]). k and v caches are [tokens, kv_heads, d], d <= 32 x
+// ATTEND_R.
+//
+// Split over the tokens (flash decoding): the grid is (heads / G, splits), a block of G warps,
+// warp w the query head blockIdx.x * G + w (the G heads of a block share a KV head, so their K and V
+// rows are read once from L2 and then from L1). Each block takes a contiguous share of the tokens;
+// each warp keeps an online softmax over it (the running max m, the sum l of exp(s - m), and
+// sum exp(s - m) v with lane j holding dims j, j + 32, ...), four tokens at a time, and writes
+// (acc, m, l) to `part` ([heads][splits][d + 2]). The last block of a head group to finish (the
+// counter `count[blockIdx.x]`, reset by that block for the next launch) merges the splits in order:
+// out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M = max m_s.
+#define ATTEND_R 8
+#define ATTEND_U 4
+extern "C" __global__ void attend(const float* __restrict__ q, const float* __restrict__ kc,
+                                  const float* __restrict__ vc, const int* __restrict__ idx, int n,
+                                  const int* step, float* part, int* count, float* out, int heads, int kv_heads,
+                                  int d, float scale) {
+    grid_enter();
+    const int G = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int S = gridDim.y, s = blockIdx.y;
+    const int h = blockIdx.x * G + warp;
+    const int hk = h / (heads / kv_heads);
+    if (!idx) n = step[1] + 1;
+    const int chunk = (n + S - 1) / S, lo = min(n, s * chunk), hi = min(n, lo + chunk);
+    float qr[ATTEND_R], acc[ATTEND_R];
+#pragma unroll
+    for (int r = 0; r < ATTEND_R; r++) {
+        const int j = lane + 32 * r;
+        qr[r] = j < d ? q[(size_t)h * d + j] * scale : 0.0f;
+        acc[r] = 0.0f;
+    }
+    float m = NEG_INF, l = 0.0f;
+    for (int i = lo; i < hi; i += ATTEND_U) {
+        int t[ATTEND_U];
+        float sc[ATTEND_U];
+#pragma unroll
+        for (int u = 0; u < ATTEND_U; u++) {
+            t[u] = i + u < hi ? (idx ? idx[i + u] : i + u) : -1;
+            const float* k = kc + ((size_t)max(t[u], 0) * kv_heads + hk) * d;
+            float p = 0.0f;
+#pragma unroll
+            for (int r = 0; r < ATTEND_R; r++) {
+                const int j = lane + 32 * r;
+                if (j < d) p = fmaf(qr[r], __ldg(k + j), p);
+            }
+            sc[u] = p;
+        }
+        float mn = m;
+#pragma unroll
+        for (int u = 0; u < ATTEND_U; u++) {
+            sc[u] = t[u] >= 0 ? warp_sum(sc[u]) : NEG_INF;
+            mn = fmaxf(mn, sc[u]);
+        }
+        const float corr = expf(m - mn);
+        l *= corr;
+#pragma unroll
+        for (int r = 0; r < ATTEND_R; r++) acc[r] *= corr;
+#pragma unroll
+        for (int u = 0; u < ATTEND_U; u++) {
+            if (t[u] < 0) continue;
+            const float p = expf(sc[u] - mn);
+            l += p;
+            const float* v = vc + ((size_t)t[u] * kv_heads + hk) * d;
+#pragma unroll
+            for (int r = 0; r < ATTEND_R; r++) {
+                const int j = lane + 32 * r;
+                if (j < d) acc[r] = fmaf(p, __ldg(v + j), acc[r]);
+            }
+        }
+        m = mn;
+    }
+    float* mine = part + ((size_t)h * S + s) * (d + 2);
+#pragma unroll
+    for (int r = 0; r < ATTEND_R; r++) {
+        const int j = lane + 32 * r;
+        if (j < d) mine[j] = acc[r];
+    }
+    if (lane == 0) {
+        mine[d] = m;
+        mine[d + 1] = l;
+    }
+    // The last block of the head group merges (the classic fence-and-count reduction).
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(count + blockIdx.x, 1) == S - 1;
+        if (last) count[blockIdx.x] = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const float* hp = part + (size_t)h * S * (d + 2);
+    // Lane s holds split s's max and sum (S <= 32).
+    const float ms = lane < S ? __ldcg(hp + (size_t)lane * (d + 2) + d) : NEG_INF;
+    const float M = warp_max(ms);
+    const float ws = lane < S ? expf(ms - M) : 0.0f;
+    const float L = warp_sum(lane < S ? ws * __ldcg(hp + (size_t)lane * (d + 2) + d + 1) : 0.0f);
+    float o[ATTEND_R];
+#pragma unroll
+    for (int r = 0; r < ATTEND_R; r++) o[r] = 0.0f;
+    for (int k = 0; k < S; k++) {
+        const float w = __shfl_sync(0xffffffffu, ws, k);
+        if (w == 0.0f) continue;
+        const float* a = hp + (size_t)k * (d + 2);
+#pragma unroll
+        for (int r = 0; r < ATTEND_R; r++) {
+            const int j = lane + 32 * r;
+            if (j < d) o[r] = fmaf(w, __ldcg(a + j), o[r]);
+        }
+    }
+    const float inv = 1.0f / L;
+#pragma unroll
+    for (int r = 0; r < ATTEND_R; r++) {
+        const int j = lane + 32 * r;
+        if (j < d) out[(size_t)h * d + j] = o[r] * inv;
     }
 }
