@@ -111,6 +111,12 @@ pub fn nvrtc_available() -> bool {
 
 /// Compiles the kernels to PTX for `arch` (e.g. "sm_90").
 pub fn compile(arch: &'static str) -> Result<String> {
+    compile_with(arch, &[])
+}
+
+/// Compiles the kernels with names `defines` defined, besides those of `CHERENKOV_KERNEL_DEFINES`
+/// (`TIMELINE` for the kernel timeline: `Gpu::new`).
+pub fn compile_with(arch: &'static str, defines: &[&str]) -> Result<String> {
     if !nvrtc_available() {
         bail!(
             "NVRTC (libnvrtc.so.13) was not found: the CUDA kernels are compiled at run time. Install the CUDA 13 \
@@ -122,6 +128,7 @@ pub fn compile(arch: &'static str) -> Result<String> {
     if let Ok(defs) = std::env::var("CHERENKOV_KERNEL_DEFINES") {
         options.extend(defs.split_whitespace().map(|d| format!("-D{d}")));
     }
+    options.extend(defines.iter().map(|d| format!("-D{d}")));
     let opts = cudarc::nvrtc::CompileOptions {
         arch: Some(arch),
         options,

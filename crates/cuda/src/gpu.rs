@@ -136,6 +136,8 @@ pub struct Gpu {
     /// time. The second launch repeats the first's work, so results change only where a kernel
     /// updates in place (the GDN state, injections into the residual); the timing does not.
     twice: Vec<String>,
+    /// The kernel timeline (`CHERENKOV_TIMELINE`), a measurement.
+    pub timeline: Option<crate::timeline::Timeline>,
 }
 
 // SAFETY: the raw handles are only used with the context bound; the driver API is thread-safe.
@@ -148,7 +150,9 @@ impl Gpu {
         let info = probe()?;
         let ctx = CudaContext::new(0).map_err(|e| anyhow::anyhow!("cannot create a context on GPU 0: {e}"))?;
         let (maj, min) = info.compute_capability;
-        let ptx = compile::compile(compile::arch_name(maj, min)?)?;
+        let timeline = crate::timeline::Timeline::requested();
+        let defines: &[&str] = if timeline.is_some() { &["TIMELINE"] } else { &[] };
+        let ptx = compile::compile_with(compile::arch_name(maj, min)?, defines)?;
         let cptx = CString::new(ptx).context("PTX holds a NUL byte")?;
         // SAFETY: cptx is a NUL-terminated PTX image that outlives the call.
         let module = unsafe { cu::module::load_data(cptx.as_ptr() as *const c_void) }
@@ -185,6 +189,18 @@ impl Gpu {
             cu::memset_d8_sync(ptr, 0, SPLIT_SCRATCH_BYTES).map_err(|e| anyhow::anyhow!("memset failed: {e}"))?;
             buf
         };
+        let timeline = match timeline {
+            Some((path, steps)) => {
+                let alloc = |bytes: usize| {
+                    // SAFETY: plain allocation in the bound context.
+                    let ptr = unsafe { cu::malloc_sync(bytes) }
+                        .map_err(|e| anyhow::anyhow!("cannot allocate the kernel timeline: {e}"))?;
+                    Ok(DevBuf { ptr, bytes, ctx: ctx.clone() })
+                };
+                Some(crate::timeline::Timeline::new(module, alloc, compile::KERNELS, path, steps)?)
+            }
+            None => None,
+        };
         let pdl = maj >= 9 && std::env::var_os("CHERENKOV_NO_PDL").is_none();
         let side = cu::stream::create(cu::stream::StreamKind::NonBlocking)
             .map_err(|e| anyhow::anyhow!("cannot create a CUDA stream: {e}"))?;
@@ -208,6 +224,7 @@ impl Gpu {
             pdl,
             split_scratch,
             twice,
+            timeline,
         }))
     }
 

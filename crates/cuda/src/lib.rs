@@ -10,6 +10,7 @@
 //! - [`pinned`]: the store's expert file pinned for the copy engine.
 //! - [`offload`]: which misses the CPU computes instead of copying (`--cpu-experts`).
 //! - [`session`]: a sequence's decode state in device memory.
+//! - [`timeline`]: one step's kernels on a time line (`CHERENKOV_TIMELINE`), a measurement.
 //! - [`model`]: the forward and the [`cherenkov_engine::backend::Backend`] implementation.
 
 pub mod check;
@@ -20,6 +21,7 @@ pub mod offload;
 pub mod pinned;
 pub mod session;
 pub mod slots;
+pub mod timeline;
 pub mod weights;
 
 pub use model::CudaModel;

@@ -608,6 +608,10 @@ impl CudaModel {
         let g = &*self.gpu;
         self.decide_residency(sc)?;
         let mut st = MoeStep::new();
+        let timed = match &g.timeline {
+            Some(t) => t.begin_step(|| g.sync())?,
+            None => false,
+        };
         // Host inputs first (token and position, n-gram rows, synthetic-router biases), so the
         // device work below never waits for the host when every expert is resident.
         self.set_step_inputs(sc, tok, s.pos)?;
@@ -652,7 +656,11 @@ impl CudaModel {
                 out.extend(top.iter().map(|&(_, v)| v));
             }
         }
-        self.finish_step(sc, st)
+        self.finish_step(sc, st)?;
+        if timed && let Some(t) = &g.timeline {
+            t.end_step(|| g.sync())?;
+        }
+        Ok(())
     }
 
     /// Queues the device work of one step (inputs already written by the host): upload of the

@@ -2,6 +2,7 @@
 
 // Splits q_proj's output [heads, 2d] (query first, then gate) into q [heads, d] and gate [heads, d].
 extern "C" __global__ void split_q_gate(const float* qg, float* q, float* gate, int heads, int d) {
+    KSPAN;
     grid_enter();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= heads * d) return;
@@ -14,6 +15,7 @@ extern "C" __global__ void split_q_gate(const float* qg, float* q, float* gate, 
 // (step[1]), and the QSA index key (`id` floats; none when ikeys is null).
 extern "C" __global__ void kv_append(const float* k, const float* v, const float* ikey, float* kc, float* vc,
                                      float* ikeys, const int* step, int kvd, int id) {
+    KSPAN;
     grid_enter();
     const int pos = step[1];
     const int n = max(kvd, ikeys ? id : 0);
@@ -32,6 +34,7 @@ extern "C" __global__ void kv_append(const float* k, const float* v, const float
 // One block of threads.
 extern "C" __global__ void qsa_pool_block(const float* keys, float* blocks, const int* step, int ratio, int d,
                                           const float* w, float eps, const float* inv_freq, int rd) {
+    KSPAN;
     grid_enter();
     if ((step[1] + 1) % ratio != 0) return;
     const int b = (step[1] + 1) / ratio - 1;
@@ -56,6 +59,7 @@ extern "C" __global__ void qsa_pool_block(const float* keys, float* blocks, cons
 // Block scores for one query: score[b] = sum over index heads of relu(q_h . k_b) / sqrt(d).
 // One warp per block b.
 extern "C" __global__ void qsa_scores(const float* q, const float* blocks, float* scores, int nblocks, int heads, int d) {
+    KSPAN;
     grid_enter();
     const int b = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     if (b >= nblocks) return;
@@ -69,20 +73,6 @@ extern "C" __global__ void qsa_scores(const float* q, const float* blocks, float
         total += fmaxf(acc, 0.0f);
     }
     if (lane == 0) scores[b] = total * rsqrtf((float)d);
-}
-
-// Zero-centred RMSNorm (weight w) and RoPE at `pos` of the d floats `h` in shared memory, by the
-// whole block.
-__device__ __forceinline__ void norm_rope_shared(float* h, const float* w, int d, float eps, const float* inv_freq,
-                                                 int rd, int pos, float* scratch) {
-    float ss = 0.0f;
-    for (int j = threadIdx.x; j < d; j += blockDim.x) ss += h[j] * h[j];
-    ss = block_sum(ss, scratch);
-    const float inv = rsqrtf(ss / (float)d + eps);
-    for (int j = threadIdx.x; j < d; j += blockDim.x) h[j] = h[j] * inv * (1.0f + w[j]);
-    __syncthreads();
-    rope_apply(h, inv_freq, rd, pos);
-    __syncthreads();
 }
 
 // Everything between the attention's projections and `attend` in one launch (split_q_gate,
@@ -101,6 +91,7 @@ extern "C" __global__ void attn_prep(const float* qg, float* q, float* gate, con
                                      const float* k_norm, const float* iq_norm, const float* ik_norm, int heads,
                                      int kv_heads, int d, int iheads, int id, int ratio, float eps,
                                      const float* inv_freq, int rd, const int* step) {
+    KSPAN;
     grid_enter();
     extern __shared__ float sh[];
     __shared__ float scratch[32];
@@ -113,7 +104,7 @@ extern "C" __global__ void attn_prep(const float* qg, float* q, float* gate, con
             gate[(size_t)b * d + j] = src[d + j];
         }
         __syncthreads();
-        norm_rope_shared(sh, q_norm, d, eps, inv_freq, rd, pos, scratch);
+        norm_rope_block(sh, q_norm, d, eps, inv_freq, rd, pos, scratch);
         for (int j = threadIdx.x; j < d; j += blockDim.x) q[(size_t)b * d + j] = sh[j];
         return;
     }
@@ -121,7 +112,7 @@ extern "C" __global__ void attn_prep(const float* qg, float* q, float* gate, con
     if (b < kv_heads) {
         for (int j = threadIdx.x; j < d; j += blockDim.x) sh[j] = k[(size_t)b * d + j];
         __syncthreads();
-        norm_rope_shared(sh, k_norm, d, eps, inv_freq, rd, pos, scratch);
+        norm_rope_block(sh, k_norm, d, eps, inv_freq, rd, pos, scratch);
         float* dst = kc + ((size_t)pos * kv_heads + b) * d;
         for (int j = threadIdx.x; j < d; j += blockDim.x) dst[j] = sh[j];
         return;
@@ -131,7 +122,7 @@ extern "C" __global__ void attn_prep(const float* qg, float* q, float* gate, con
         float* h = iq + (size_t)b * id;
         for (int j = threadIdx.x; j < id; j += blockDim.x) sh[j] = h[j];
         __syncthreads();
-        norm_rope_shared(sh, iq_norm, id, eps, inv_freq, rd, pos, scratch);
+        norm_rope_block(sh, iq_norm, id, eps, inv_freq, rd, pos, scratch);
         for (int j = threadIdx.x; j < id; j += blockDim.x) h[j] = sh[j];
         return;
     }
@@ -149,7 +140,7 @@ extern "C" __global__ void attn_prep(const float* qg, float* q, float* gate, con
         sh[j] = acc / (float)ratio;
     }
     __syncthreads();
-    norm_rope_shared(sh, ik_norm, id, eps, inv_freq, rd, blk * ratio, scratch);
+    norm_rope_block(sh, ik_norm, id, eps, inv_freq, rd, blk * ratio, scratch);
     for (int j = threadIdx.x; j < id; j += blockDim.x) iblocks[(size_t)blk * id + j] = sh[j];
 }
 
@@ -171,6 +162,7 @@ extern "C" __global__ void attend(const float* __restrict__ q, const float* __re
                                   const float* __restrict__ vc, const int* __restrict__ idx, int n,
                                   const int* step, float* part, int* count, float* out, int heads, int kv_heads,
                                   int d, float scale) {
+    KSPAN;
     grid_enter();
     const int G = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int S = gridDim.y, s = blockIdx.y;

@@ -21,9 +21,71 @@ typedef unsigned char u8;
 // dense tiled matvecs request their first weights before waiting (mv_core's EARLY in linear.cu):
 // dense weights are written once at load, never by earlier kernels, and a block scheduled while the
 // previous kernel ends has them in flight meanwhile.
+__device__ __forceinline__ u64 global_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// ---- The kernel timeline (compiled with -DTIMELINE: `CHERENKOV_TIMELINE`, Timeline in gpu.rs). ----
+//
+// Every kernel opens with KSPAN. With TIMELINE defined, and while the host has switched recording on
+// (tl_on), thread 0 of every block appends one record when it leaves the kernel: the kernel's name
+// (FNV-1a of it), the block, the grid's size, the multiprocessor, and three clock readings (ns):
+// thread 0's start, its return from grid_wait (the predecessor done), its end. Thread 0 stands for
+// its block: it starts first and, in most kernels, writes the block's result last. Without TIMELINE
+// KSPAN is empty and nothing here is compiled.
+#ifdef TIMELINE
+struct TlRec {
+    u32 name, block, blocks, smid;
+    u64 start, waited, end;
+};
+__device__ TlRec* tl_buf;
+__device__ u32 tl_cap;
+__device__ u32 tl_n;
+__device__ u32 tl_on;
+__shared__ u64 tl_waited;
+
+struct TlSpan {
+    const char* name;
+    u64 start;
+    __device__ explicit TlSpan(const char* n) : name(n), start(0) {
+        if (threadIdx.x == 0) {
+            start = global_ns();
+            tl_waited = 0;
+        }
+    }
+    __device__ ~TlSpan() {
+        if (threadIdx.x != 0 || *(volatile u32*)&tl_on == 0) return;
+        const u64 end = global_ns();
+        u32 h = 2166136261u;
+        for (const char* p = name; *p; p++) h = (h ^ (u32)(u8)*p) * 16777619u;
+        const u32 i = atomicAdd(&tl_n, 1u);
+        if (i >= tl_cap) return;
+        u32 smid;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+        TlRec r;
+        r.name = h;
+        r.block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+        r.blocks = gridDim.x * gridDim.y * gridDim.z;
+        r.smid = smid;
+        r.start = start;
+        r.waited = tl_waited;
+        r.end = end;
+        tl_buf[i] = r;
+    }
+};
+#define KSPAN TlSpan tl_span_(__func__)
+#else
+#define KSPAN
+#endif
+
 __device__ __forceinline__ void grid_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+#ifdef TIMELINE
+    if (threadIdx.x == 0 && tl_waited == 0) tl_waited = global_ns();
 #endif
 }
 
@@ -37,11 +99,7 @@ __device__ __forceinline__ void grid_release() {
 // timestamp taken inside a kernel, where a CUDA event between two kernels would cost the second
 // its early launch (the MoE blocks' expert timing: moe() in model.rs).
 __device__ __forceinline__ void stamp_first(u64* at) {
-    if (at && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
-        u64 t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        *at = t;
-    }
+    if (at && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *at = global_ns();
 }
 
 // The usual kernel entry: wait for the previous kernel's results, then let the next one be scheduled.

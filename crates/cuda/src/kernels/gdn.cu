@@ -5,6 +5,7 @@
 // Causal depthwise conv over [state (K-1 rows, oldest first), x] with silu; shifts the state.
 // One thread per channel.
 extern "C" __global__ void gdn_conv(const float* x, float* state, const float* w, float* out, int C, int K) {
+    KSPAN;
     grid_enter();
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= C) return;
@@ -69,6 +70,7 @@ __device__ __forceinline__ void gdn_gated_norm(float* o, const float* z, const f
 extern "C" __global__ void gdn_recurrent(const float* qkv, const float* a, const float* b, const float* A_log,
                                          const float* dt_bias, float* S, float* out, int nk, int nv, int dk, int dv,
                                          const float* z, const float* norm_w, float eps, int act) {
+    KSPAN;
     grid_enter();
     extern __shared__ float sh[];  // q then k of this head's key head: 2 * dk floats
     const int hv = blockIdx.x;
@@ -109,6 +111,7 @@ extern "C" __global__ void gdn_recurrent(const float* qkv, const float* a, const
 extern "C" __global__ void gdn_recurrent_split(const float* qkv, const float* a, const float* b, const float* A_log,
                                                const float* dt_bias, float* S, float* out, int nk, int nv, int dk, int dv,
                                                const float* z, const float* norm_w, float eps, int act) {
+    KSPAN;
     grid_enter();
     extern __shared__ float sh[];
     const int hv = blockIdx.x;

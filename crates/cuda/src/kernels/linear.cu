@@ -849,6 +849,7 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
                         MvNorm{norm_group, norm_eps, norm_inv}, MvConv{conv_state, conv_w, conv_k})
 // (matvec_many_part waits for the previous kernel: mv_core's EARLY.)
 extern "C" __global__ void __launch_bounds__(256, 2) matvec_many(MATVEC_MANY_ARGS) {
+    KSPAN;
     const int p = blockIdx.y;
     switch (MV_SEL(b)) {
         case 2:
@@ -867,6 +868,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) matvec_many(MATVEC_MANY_ARG
 // without the 2-bit instantiation and the norm the kernel fits the register budget of 3 blocks of
 // 256 threads per multiprocessor (DevLinear's planning knows it).
 extern "C" __global__ void __launch_bounds__(256, 3) matvec_many_48(MATVEC_MANY_ARGS) {
+    KSPAN;
     const int p = blockIdx.y;
     if (MV_SEL(b) == 4) {
         MATVEC_MANY_PART(4, false);
@@ -911,6 +913,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
     hc_up_mix(const u32* W, const u16* S, const u16* B, const float* x, const float* x2, float xs, int op,
               const float* normed, float* out, int H, int cols, int gs, int bits, int L, const float* xr,
               const float* w, const float* inv) {
+    KSPAN;
     // (hc_up_mix_impl waits for the previous kernel: mv_core's EARLY.)
     const MvIn in{x2, xs, op};
     switch (bits) {
@@ -933,7 +936,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
 #define MATVEC_AFFINE(B)                                                                                       \
     extern "C" __global__ void matvec_q##B(const u32* W, const u16* S, const u16* Bi, const float* x, float* y, \
                                            int rows, int cols, int gs, int rpb, const float* x2, float xs,      \
-                                           int op, float* xres, const float* inj, int hc) {                    \
+                                           int op, float* xres, const float* inj, int hc) { KSPAN;             \
         grid_enter();                                                                                          \
         const MvOut out{y, xres, inj, hc};                                                                     \
         if (op == MV_IN_PLAIN) {                                                                               \
@@ -950,7 +953,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
 #define MATVEC_AFFINE_TILED(B, MINB)                                                                           \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                   \
         matvec_q##B(const u32* W, const u16* S, const u16* Bi, const float* x, float* y, int rows, int cols,   \
-                    int gs, int rpb, const float* x2, float xs, int op, float* xres, const float* inj, int hc) { \
+                    int gs, int rpb, const float* x2, float xs, int op, float* xres, const float* inj, int hc) { KSPAN; \
         const MvIn in{x2, xs, op};                                                                             \
         const MvOut out{y, xres, inj, hc};                                                                     \
         if (rpb & MV_TILED) {                                                                                  \
@@ -988,6 +991,7 @@ __device__ __forceinline__ void matvec_float_row_impl(const void* W, const float
 // (x2, xs, op): the input transform (MV_IN_*), applied while x is staged.
 extern "C" __global__ void matvec_float(const void* W, const float* x_global, float* y, int rows, int cols, int dtype,
                                         int rpb, const float* x2, float xs, int op) {
+    KSPAN;
     grid_enter();
     extern __shared__ float sx[];
     stage_x_in(x_global, MvIn{x2, xs, op}, sx, cols);
@@ -1002,6 +1006,7 @@ extern "C" __global__ void matvec_float(const void* W, const float* x_global, fl
 // matvec_float.
 extern "C" __global__ void embed_row(const void* W, const u16* S, const u16* B, const int* step, float* out, int cols,
                                      int copies, int dtype, int bits, int gs) {
+    KSPAN;
     grid_enter();
     const int row = step[0];
     for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < cols; j += gridDim.x * blockDim.x) {

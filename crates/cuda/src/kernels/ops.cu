@@ -5,6 +5,7 @@
 // are few and all in flight together). The weight has `wlen` elements and repeats (wlen == group
 // for per-head norms, or the whole row for per-stream norms).
 extern "C" __global__ void rmsnorm_zc(const float* x, const float* w, float* y, int group, int wlen, float eps) {
+    KSPAN;
     grid_enter();
     __shared__ float scratch[32];
     const float* xg = x + (size_t)blockIdx.x * group;
@@ -26,6 +27,7 @@ extern "C" __global__ void rmsnorm_zc(const float* x, const float* w, float* y, 
 
 // y = silu(x * scale), in place.
 extern "C" __global__ void scale_silu(float* x, int n, float scale) {
+    KSPAN;
     grid_enter();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = siluf_(x[i] * scale);
@@ -33,6 +35,7 @@ extern "C" __global__ void scale_silu(float* x, int n, float scale) {
 
 // Hyper-connection input: out[j] = mean over streams s of sigmoid(mix[s*H+j]) * normed[s*H+j].
 extern "C" __global__ void hc_mix(const float* mix, const float* normed, float* out, int hc, int H) {
+    KSPAN;
     grid_enter();
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= H) return;
@@ -43,6 +46,7 @@ extern "C" __global__ void hc_mix(const float* mix, const float* normed, float* 
 
 // Injection: x[s*H+j] += 2 sigmoid(inj[s] / hc) * out[j].
 extern "C" __global__ void hc_inject(float* x, const float* inj, const float* out, int hc, int H) {
+    KSPAN;
     grid_enter();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= hc * H) return;
@@ -52,6 +56,7 @@ extern "C" __global__ void hc_inject(float* x, const float* inj, const float* ou
 
 // y = silu(gate) * up, in place into gate.
 extern "C" __global__ void silu_mul(float* gate, const float* up, int n) {
+    KSPAN;
     grid_enter();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) gate[i] = siluf_(gate[i]) * up[i];
@@ -59,6 +64,7 @@ extern "C" __global__ void silu_mul(float* gate, const float* up, int n) {
 
 // x[i] *= sigmoid(g[i]).
 extern "C" __global__ void mul_sigmoid(float* x, const float* g, int n) {
+    KSPAN;
     grid_enter();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] *= sigmoidf_(g[i]);
@@ -76,14 +82,10 @@ __device__ __forceinline__ void rope_apply(float* v, const float* inv_freq, int 
     }
 }
 
-// Per head (one block each): zero-centred RMSNorm with weight w (length d), then RoPE at the
-// step's position (step[1]).
-extern "C" __global__ void norm_rope(float* v, const float* w, int d, float eps, const float* inv_freq, int rd,
-                                     const int* step) {
-    grid_enter();
-    const int pos = step[1];
-    __shared__ float scratch[32];
-    float* h = v + (size_t)blockIdx.x * d;
+// Zero-centred RMSNorm (weight w) and RoPE at `pos` of the d floats `h` (shared or global memory),
+// by the whole block (also attn_prep's, in attention.cu).
+__device__ __forceinline__ void norm_rope_block(float* h, const float* w, int d, float eps, const float* inv_freq,
+                                                int rd, int pos, float* scratch) {
     float ss = 0.0f;
     for (int j = threadIdx.x; j < d; j += blockDim.x) ss += h[j] * h[j];
     ss = block_sum(ss, scratch);
@@ -91,4 +93,14 @@ extern "C" __global__ void norm_rope(float* v, const float* w, int d, float eps,
     for (int j = threadIdx.x; j < d; j += blockDim.x) h[j] = h[j] * inv * (1.0f + w[j]);
     __syncthreads();
     rope_apply(h, inv_freq, rd, pos);
+    __syncthreads();
+}
+
+// Per head (one block each): norm_rope_block at the step's position (step[1]).
+extern "C" __global__ void norm_rope(float* v, const float* w, int d, float eps, const float* inv_freq, int rd,
+                                     const int* step) {
+    KSPAN;
+    grid_enter();
+    __shared__ float scratch[32];
+    norm_rope_block(v + (size_t)blockIdx.x * d, w, d, eps, inv_freq, rd, step[1], scratch);
 }

@@ -4,6 +4,7 @@
 // PLE gate, one block per stream s: g = <kn_s, qn_s> / sqrt(H); g = sign(g) sqrt(max(|g|, 1e-6));
 // gated_s = sigmoid(g) * value.
 extern "C" __global__ void ple_gate(const float* kn, const float* qn, const float* value, float* gated, int H) {
+    KSPAN;
     grid_enter();
     __shared__ float scratch[32];
     const int s = blockIdx.x;
@@ -20,6 +21,7 @@ extern "C" __global__ void ple_gate(const float* kn, const float* qn, const floa
 // x += gated + silu(conv); the state shifts by one row.
 extern "C" __global__ void ple_conv(const float* gn, const float* gated, float* state, const float* w, float* x, int W,
                                     int K, int dil) {
+    KSPAN;
     grid_enter();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= W) return;
@@ -68,6 +70,7 @@ __device__ __forceinline__ u32 route_key(float v) {
 extern "C" __global__ void route_topk(const float* logits, const float* bias, float model_w, int E, int k, int norm,
                                       int* ids, float* weights, int* ids_host, const u64* map, u64* table,
                                       int* rank_entry) {
+    KSPAN;
     // The synthetic routers' bias is written by the host before the step is queued, never by a
     // kernel (it may be host memory mapped for the device): read before waiting for the logits.
     const float b = bias && (int)threadIdx.x < E ? bias[threadIdx.x] : 0.0f;
@@ -235,13 +238,13 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
 #define EXPERT_KERNELS(B)                                                                                             \
     extern "C" __global__ void expert_gate_up_q##B(const u64* table, int first, const float* x, float* act, int I,     \
                                                    int H, int gs, int rpb, u64 g_w, u64 g_s, u64 g_b, u64 u_w,         \
-                                                   u64 u_s, u64 u_b, u64* stamp) {                                     \
+                                                   u64 u_s, u64 u_b, u64* stamp) { KSPAN;                              \
         grid_enter();                                                                                                  \
         stamp_first(stamp);                                                                                            \
         expert_gate_up<B>(table, first, x, act, I, H, gs, rpb, g_w, g_s, g_b, u_w, u_s, u_b);                         \
     }                                                                                                                  \
     extern "C" __global__ void expert_down_q##B(const u64* table, int first, const float* act, float* out, int I,     \
-                                                int H, int gs, int rpb, u64 d_w, u64 d_s, u64 d_b) {                   \
+                                                int H, int gs, int rpb, u64 d_w, u64 d_s, u64 d_b) { KSPAN;            \
         grid_enter();                                                                                                  \
         expert_down<B>(table, first, act, out, I, H, gs, rpb, d_w, d_s, d_b);                                         \
     }
@@ -249,7 +252,7 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
 #define EXPERT_KERNELS_TILED(B, MINB)                                                                                 \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                          \
         expert_gate_up_q##B(const u64* table, int first, const float* x, float* act, int I, int H, int gs, int rpb,  \
-                            u64 g_w, u64 g_s, u64 g_b, u64 u_w, u64 u_s, u64 u_b, u64* stamp) {                       \
+                            u64 g_w, u64 g_s, u64 g_b, u64 u_w, u64 u_s, u64 u_b, u64* stamp) { KSPAN;                \
         grid_enter();                                                                                                 \
         stamp_first(stamp);                                                                                           \
         if (rpb & MV_TILED) {                                                                                         \
@@ -261,7 +264,7 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                          \
         expert_down_q##B(const u64* table, int first, const float* act, float* out, int I, int H, int gs, int rpb,   \
-                         u64 d_w, u64 d_s, u64 d_b) {                                                                 \
+                         u64 d_w, u64 d_s, u64 d_b) { KSPAN;                                                          \
         grid_enter();                                                                                                 \
         if (rpb & MV_TILED) {                                                                                         \
             expert_down_tiled<B>(table, first, act, out, I, H, gs, rpb & (MV_TILED - 1), d_w, d_s, d_b);             \
@@ -283,6 +286,7 @@ EXPERT_KERNELS_TILED(8, 3)
 extern "C" __global__ void moe_combine(const float* out, const int* entry, const float* w, int k, const float* shared,
                                        const float* shared_gate, float* y, int H, float* x, const float* inj, int hc,
                                        u64* stamp) {
+    KSPAN;
     grid_enter();
     stamp_first(stamp);
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
@@ -299,6 +303,7 @@ extern "C" __global__ void moe_combine(const float* out, const int* entry, const
 // lower id), so the host draws from k candidates instead of copying the whole vocabulary back. One
 // block; each round finds the largest remaining logit with a block reduction and masks it.
 extern "C" __global__ void top_candidates(float* logits, int V, int k, int* ids, float* vals) {
+    KSPAN;
     grid_enter();
     __shared__ float best_v[32];
     __shared__ int best_i[32];
