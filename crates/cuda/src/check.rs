@@ -617,17 +617,26 @@ pub fn block_checks(cuda: &CudaModel, cpu: &CpuModel, rng: &mut Rng, label: &str
     push("final mixer + lm_head".into(), rel_err(&logits, &want), BLOCK_LIMIT);
     // Candidate selection on the device: exactly the host's choice from the same logits.
     // Also with many ties (logits rounded to steps of 2, every 5th -inf): the lower id goes first.
-    // No -0: the host orders it below +0 (`total_cmp`), the device counts them equal.
+    // No -0: the host orders it below +0 (`total_cmp`), as the two launches' keys do; the one-block
+    // kernel counts them equal.
     let tied: Vec<f32> = logits
         .iter()
         .enumerate()
         .map(|(i, &l)| if i % 5 == 0 { f32::NEG_INFINITY } else { (l / 2.0).round() * 2.0 + 0.0 })
         .collect();
-    for (k, row, what) in [(1, &logits, ""), (40, &logits, ""), (64, &tied, ", tied"), (100, &tied, ", tied")] {
+    // Both ways: two launches (sorted chunks, then their best) and one block (a pass per candidate).
+    for (k, row, what, two) in [
+        (1, &logits, "", true),
+        (40, &logits, "", true),
+        (64, &tied, ", tied", true),
+        (100, &tied, ", tied", true),
+        (40, &logits, ", one block", false),
+        (100, &tied, ", tied, one block", false),
+    ] {
         g.htod(sc.logits.ptr, row)?;
         // Ids from 7 on only, as a tokenizer smaller than the embedding would ask.
         let among = c.vocab_size - 7;
-        let got = cuda.top_candidates(&sc, k, among)?;
+        let got = cuda.top_candidates_by(&sc, k, among, two)?;
         let expected = cherenkov_engine::backend::top_of(&row[..among], k);
         let wrong = got.iter().zip(&expected).filter(|(a, b)| a.0 != b.0 || a.1.to_bits() != b.1.to_bits()).count()
             + k.saturating_sub(expected.len().min(got.len()));

@@ -63,6 +63,8 @@ pub const KERNELS: &[&str] = &[
     "expert_down_q8",
     "moe_combine",
     "top_candidates",
+    "top_candidates_part",
+    "top_candidates_merge",
 ];
 
 /// Kernels that stage their input vector in dynamic shared memory (launch with cols * 4 bytes; the

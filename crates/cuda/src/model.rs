@@ -52,6 +52,14 @@ pub const TAG_Q2: u64 = 1 << 62;
 
 /// Whether the attention runs `attn_prep` (one launch) between its projections and `attend`;
 /// `CHERENKOV_NO_FUSED_ATTN_PREP` gives the separate launches it replaced.
+/// Whether the sampling candidates are chosen by radix selection (`CHERENKOV_ONE_BLOCK_CANDIDATES`:
+/// by one block in a pass per candidate, a measurement knob).
+fn radix_candidates() -> bool {
+    use std::sync::OnceLock;
+    static RADIX: OnceLock<bool> = OnceLock::new();
+    *RADIX.get_or_init(|| std::env::var_os("CHERENKOV_ONE_BLOCK_CANDIDATES").is_none())
+}
+
 fn fused_attn_prep() -> bool {
     use std::sync::OnceLock;
     static FUSED: OnceLock<bool> = OnceLock::new();
@@ -60,6 +68,11 @@ fn fused_attn_prep() -> bool {
 
 /// `attend`'s token splits per head (attention.cu; at most 32, one lane each in the merge).
 const ATTEND_SPLITS: usize = 32;
+/// Logits per block of `top_candidates_part`, the most candidates it picks, and the most keys
+/// `top_candidates_merge` takes (`CAND_CHUNK`, `CAND_SEL`, `CAND_KEYS` in ple_moe.cu).
+const CAND_CHUNK: usize = 4096;
+const CAND_SEL: usize = 256;
+const CAND_KEYS: usize = 16384;
 /// `attend`'s register slots per lane: head_dim up to 32 x this (attention.cu's ATTEND_R).
 const ATTEND_MAX_R: usize = 8;
 
@@ -167,6 +180,8 @@ pub(crate) struct Scratch {
     pub(crate) big: [DevBuf; 7],
     pub(crate) weights: DevBuf,
     pub(crate) ids: DevBuf,
+    /// The chunks' candidates of `top_candidates_part` ([`CAND_KEYS`] keys of 8 bytes).
+    pub(crate) cand: DevBuf,
     pub(crate) act: DevBuf,
     pub(crate) eout: DevBuf,
     /// The QSA block scores the host reads back past the budget.
@@ -184,12 +199,13 @@ pub(crate) struct Scratch {
 }
 
 /// What a captured step depends on besides the step inputs: the session's buffers (its identity
-/// and their generation), whether it ends with the logits, and the depth.
+/// and their generation), what it ends with (logits, candidates), and the depth.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct GraphKey {
     session: u64,
     generation: u64,
-    logits: bool,
+    /// The step's output: logits, and the candidates' launches, are part of the graph.
+    want: Want,
     depth: usize,
 }
 
@@ -462,6 +478,7 @@ impl CudaModel {
             ],
             weights: z(e.max(1024) * 4, "the routing weights")?,
             ids: z(e.max(1024) * 4, "the routing ids")?,
+            cand: z(CAND_KEYS * 8, "the sampling candidates' keys")?,
             act: z(f32s(e * c.moe_intermediate_size), "expert activations")?,
             // One row more than entries: the deadline cut points dropped experts at a zero row.
             eout: z(f32s((e + 1) * c.hidden_size), "expert outputs")?,
@@ -621,14 +638,13 @@ impl CudaModel {
             }
             self.write_bias(sc, layer.moe.expert_slot, 0)?;
         }
-        let logits = want != Want::Nothing;
         // A replayable step: every expert resident and attention below the QSA budget (past it the
         // host picks the visible blocks).
         let dense_attention = c.qsa.as_ref().is_none_or(|q| (s.pos + 1) / q.compress_ratio <= q.block_topk());
         if sc.moe.map.is_some() && dense_attention && self.graphs {
-            self.replay_step(s, sc, logits, &mut st)?;
+            self.replay_step(s, sc, want, &mut st)?;
         } else {
-            self.queue_step(s, sc, logits, &mut st)?;
+            self.queue_step(s, sc, want, &mut st)?;
         }
         // The benchmark's synthetic routers draw the next token's noise while the device runs
         // this step, not before the next step's work is queued (a streamed block drew its own
@@ -649,9 +665,9 @@ impl CudaModel {
                 g.dtoh(sc.logits.ptr, &mut logits)?;
                 out.extend_from_slice(&logits);
             }
-            Want::Top { k, among } => {
+            Want::Top { k, .. } => {
                 // ids (as f32 bit patterns) then values, in `out`.
-                let top = self.top_candidates(sc, k, among)?;
+                let top = self.read_candidates(sc, k)?;
                 out.extend(top.iter().map(|&(i, _)| f32::from_bits(i)));
                 out.extend(top.iter().map(|&(_, v)| v));
             }
@@ -664,14 +680,9 @@ impl CudaModel {
     }
 
     /// Queues the device work of one step (inputs already written by the host): upload of the
-    /// step inputs, embedding, every layer, and with `logits` the final mixer and lm_head.
-    fn queue_step<'p>(
-        &'p self,
-        s: &mut CudaSession,
-        sc: &mut Scratch,
-        logits: bool,
-        st: &mut MoeStep<'p>,
-    ) -> Result<()> {
+    /// step inputs, embedding, every layer, and unless `want` is nothing the final mixer and
+    /// lm_head, then for candidates their choice ([`CudaModel::queue_candidates`]).
+    fn queue_step<'p>(&'p self, s: &mut CudaSession, sc: &mut Scratch, want: Want, st: &mut MoeStep<'p>) -> Result<()> {
         let g = &*self.gpu;
         let w = &self.weights;
         g.upload(sc.step_in.ptr, &sc.step_host, 0, 8)?;
@@ -697,9 +708,12 @@ impl CudaModel {
             st.inject = true;
             self.moe(sc, &layer.moe, w.layers[..depth].get(i + 1).map(|l| &l.moe), st)?;
         }
-        if logits {
+        if want != Want::Nothing {
             self.hc_read(sc, &w.hyper_connection_mixer)?;
             w.lm_head.matvec(g, sc.inp.ptr, sc.logits.ptr)?;
+        }
+        if let Want::Top { k, among } = want {
+            self.queue_candidates(sc, k, among, radix_candidates())?;
         }
         if sc.moe.map.is_some() {
             // Every layer's routing, for the host's accounting after the step.
@@ -715,11 +729,11 @@ impl CudaModel {
         &'p self,
         s: &mut CudaSession,
         sc: &mut Scratch,
-        logits: bool,
+        want: Want,
         st: &mut MoeStep<'p>,
     ) -> Result<()> {
         let c = self.config();
-        let key = GraphKey { session: s.id, generation: s.generation, logits, depth: self.depth };
+        let key = GraphKey { session: s.id, generation: s.generation, want, depth: self.depth };
         let mut graphs = self.graph.lock().unwrap_or_else(|e| e.into_inner());
         // A few graphs: decode steps and prompt steps (no logits) alternate.
         const KEEP: usize = 4;
@@ -731,7 +745,7 @@ impl CudaModel {
             None => {
                 let mut throwaway = MoeStep::new();
                 throwaway.untimed = true;
-                let graph = self.gpu.capture(|| self.queue_step(s, sc, logits, &mut throwaway))?;
+                let graph = self.gpu.capture(|| self.queue_step(s, sc, want, &mut throwaway))?;
                 if graphs.len() == KEEP {
                     graphs.remove(0);
                 }
@@ -934,24 +948,65 @@ impl CudaModel {
     }
 
     /// The `k` largest of the first `among` entries of `sc.logits` as (id, logit), descending, ties
-    /// to the lower id, chosen on the device (one block; `k` passes of an argmax). Overwrites the
-    /// chosen logits with -inf. Where fewer than `k` entries exist, the rest have id `i32::MAX`.
-    pub(crate) fn top_candidates(&self, sc: &Scratch, k: usize, among: usize) -> Result<Vec<(u32, f32)>> {
+    /// to the lower id, chosen on the device: by radix selection where `radix` and it applies (the
+    /// host's order: `total_cmp`), else by one block in `k` passes of an argmax, which overwrites
+    /// the chosen logits with -inf, counts -0 equal to +0 and never picks NaN (where fewer than `k`
+    /// entries are left, the rest have id `i32::MAX`).
+    pub(crate) fn top_candidates_by(
+        &self,
+        sc: &Scratch,
+        k: usize,
+        among: usize,
+        radix: bool,
+    ) -> Result<Vec<(u32, f32)>> {
+        self.queue_candidates(sc, k, among, radix)?;
+        self.read_candidates(sc, k)
+    }
+
+    /// Queues the choice of the `k` largest logits among ids below `among` (into `sc.ids` and
+    /// `sc.weights`; graph-safe), by radix selection where `radix` and it applies.
+    fn queue_candidates(&self, sc: &Scratch, k: usize, among: usize, radix: bool) -> Result<()> {
         let g = &*self.gpu;
         let v = among.min(self.config().vocab_size);
-        g.launch(
-            "top_candidates",
-            (1, 1, 1),
-            1024,
-            0,
-            &[
-                Arg::Ptr(sc.logits.ptr),
-                Arg::I32(v as i32),
-                Arg::I32(k as i32),
-                Arg::Ptr(sc.ids.ptr),
-                Arg::Ptr(sc.weights.ptr),
-            ],
-        )?;
+        // Radix selection: every block takes the k largest of its chunk, one block the k largest of
+        // theirs (one launch for one chunk); for more than CAND_SEL candidates, or more chunks' best
+        // than one block holds, one block in a pass per candidate.
+        let chunks = v.div_ceil(CAND_CHUNK);
+        let n = chunks * k;
+        if radix && k <= v && k <= CAND_SEL && n <= CAND_KEYS {
+            let (ids, vals) = (Arg::Ptr(sc.ids.ptr), Arg::Ptr(sc.weights.ptr));
+            g.launch(
+                "top_candidates_part",
+                (chunks as u32, 1, 1),
+                1024,
+                0,
+                &[Arg::Ptr(sc.logits.ptr), Arg::I32(v as i32), Arg::I32(k as i32), Arg::Ptr(sc.cand.ptr), ids, vals],
+            )?;
+            if chunks > 1 {
+                let args = [Arg::Ptr(sc.cand.ptr), Arg::I32(n as i32), Arg::I32(k as i32), ids, vals];
+                g.launch("top_candidates_merge", (1, 1, 1), 1024, 0, &args)?;
+            }
+        } else {
+            g.launch(
+                "top_candidates",
+                (1, 1, 1),
+                1024,
+                0,
+                &[
+                    Arg::Ptr(sc.logits.ptr),
+                    Arg::I32(v as i32),
+                    Arg::I32(k as i32),
+                    Arg::Ptr(sc.ids.ptr),
+                    Arg::Ptr(sc.weights.ptr),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The candidates [`CudaModel::queue_candidates`] chose, after the work queued before.
+    fn read_candidates(&self, sc: &Scratch, k: usize) -> Result<Vec<(u32, f32)>> {
+        let g = &*self.gpu;
         let mut ids = vec![0u32; k];
         let mut vals = vec![0f32; k];
         g.dtoh(sc.ids.ptr, &mut ids)?;

@@ -301,7 +301,9 @@ extern "C" __global__ void moe_combine(const float* out, const int* entry, const
 
 // Sampling support: the k largest logits (k <= 1024) of one row, in descending order (ties to the
 // lower id), so the host draws from k candidates instead of copying the whole vocabulary back. One
-// block; each round finds the largest remaining logit with a block reduction and masks it.
+// block; each round finds the largest remaining logit with a block reduction and masks it. The
+// two launches below do it faster where their keys fit one block's shared memory (CudaModel's
+// top_candidates); this one remains for larger k.
 extern "C" __global__ void top_candidates(float* logits, int V, int k, int* ids, float* vals) {
     KSPAN;
     grid_enter();
@@ -338,4 +340,156 @@ extern "C" __global__ void top_candidates(float* logits, int V, int k, int* ids,
         }
         __syncthreads();
     }
+}
+
+// ---- The sampling candidates in two launches (top_candidates_part, then top_candidates_merge). ----
+//
+// A logit and its id as one 64-bit key whose unsigned order is the host's (`top_of`: total_cmp on
+// the value, descending; the lower id first among equal values): the value's bits mapped to an
+// unsigned order (negative values' bits flipped, positive values' sign set), then the id's complement.
+// The key 0 is below every logit's, so it pads.
+__device__ __forceinline__ u64 cand_key(float v, int i) {
+    const u32 b = __float_as_uint(v);
+    const u32 key = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((u64)key << 32) | (u64)(~(u32)i);
+}
+
+__device__ __forceinline__ float cand_value(u64 x) {
+    const u32 key = (u32)(x >> 32);
+    return __uint_as_float((key & 0x80000000u) ? (key ^ 0x80000000u) : ~key);
+}
+
+// Sorts the n keys of s (a power of two, at most CAND_SEL, in shared memory) into descending order,
+// by one warp.
+#define CAND_SEL 256
+__device__ void warp_sort_desc(u64* s, int n) {
+    const int lane = threadIdx.x & 31;
+    for (int size = 2; size <= n; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int t = lane; t < (n >> 1); t += 32) {
+                const int i = 2 * t - (t & (stride - 1)), j = i + stride;
+                const u64 a = s[i], b = s[j];
+                if ((a < b) == ((i & size) == 0)) {
+                    s[i] = b;
+                    s[j] = a;
+                }
+            }
+            __syncwarp();
+        }
+    }
+}
+
+// The k largest (k <= CAND_SEL) of the block's keys (E per thread; distinct, except the padding 0,
+// and at least k of them not padding), in descending order into out[0..k) (shared, CAND_SEL keys), by
+// the whole block (blockDim.x a multiple of 32, at least 256). The k-th largest key is found 8 bits
+// at a time from the top (a shared histogram of the next byte of the keys that match so far; lanes
+// with the same byte add once), then the keys at or above it are gathered and warp 0 sorts them.
+// `hist`: 256 shared counters; `sel`: 3 shared words.
+template <int E>
+__device__ void block_top_keys(const u64 (&key)[E], int k, u64* out, u32* hist, u32* sel) {
+    const int lane = threadIdx.x & 31;
+    u64 prefix = 0, mask = 0;
+    u32 need = (u32)k;
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        if (threadIdx.x < 256) hist[threadIdx.x] = 0;
+        __syncthreads();
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const bool in = (key[e] & mask) == prefix;
+            const u32 d = (u32)(key[e] >> shift) & 0xFFu;
+            const u32 peers = __match_any_sync(0xffffffffu, in ? d : 0x100u);
+            if (in && __ffs(peers) - 1 == lane) atomicAdd(&hist[d], __popc(peers));
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            // Lane l holds bins 255 - 8l down to 248 - 8l: lower lanes hold the larger bytes.
+            u32 c[8], sum = 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                c[j] = hist[255 - 8 * lane - j];
+                sum += c[j];
+            }
+            u32 incl = sum;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const u32 v = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += v;
+            }
+            u32 above = incl - sum;
+            if (above < need && need <= incl) {
+                int j = 0;
+                while (above + c[j] < need) above += c[j++];
+                sel[0] = 255 - 8 * lane - j;
+                sel[1] = above;
+            }
+        }
+        __syncthreads();
+        prefix |= (u64)sel[0] << shift;
+        mask |= 0xFFull << shift;
+        need -= sel[1];
+        __syncthreads();
+    }
+    // prefix is the k-th largest key: exactly k keys are at or above it.
+    if (threadIdx.x == 0) sel[2] = 0;
+    __syncthreads();
+#pragma unroll
+    for (int e = 0; e < E; e++)
+        if (key[e] >= prefix) out[atomicAdd(&sel[2], 1u)] = key[e];
+    int n2 = 1;
+    while (n2 < k) n2 <<= 1;
+    for (int i = k + threadIdx.x; i < n2; i += blockDim.x) out[i] = 0ull;
+    __syncthreads();
+    if (threadIdx.x < 32) warp_sort_desc(out, n2);
+    __syncthreads();
+}
+
+__device__ __forceinline__ void cand_write(const u64* keys, int k, int* ids, float* vals) {
+    for (int r = threadIdx.x; r < k; r += blockDim.x) {
+        ids[r] = (int)~(u32)keys[r];
+        vals[r] = cand_value(keys[r]);
+    }
+}
+
+// Block b takes the logits [b * CAND_CHUNK, (b + 1) * CAND_CHUNK) below V (1024 threads, 4 each) and
+// writes its kk = min(k, CAND_SEL) largest keys into part[b * kk ..] (0 where the chunk has fewer):
+// every one of the k largest logits is among its chunk's. With one block, its k are the answer, as
+// ids and values.
+#define CAND_CHUNK 4096
+extern "C" __global__ void __launch_bounds__(1024)
+    top_candidates_part(const float* logits, int V, int kk, u64* part, int* ids, float* vals) {
+    KSPAN;
+    grid_enter();
+    __shared__ u64 best[CAND_SEL];
+    __shared__ u32 hist[256], sel[3];
+    const int base = blockIdx.x * CAND_CHUNK;
+    u64 key[CAND_CHUNK / 1024];
+#pragma unroll
+    for (int e = 0; e < CAND_CHUNK / 1024; e++) {
+        const int i = base + e * 1024 + threadIdx.x;
+        key[e] = i < V ? cand_key(logits[i], i) : 0ull;
+    }
+    const int kb = min(kk, V - base);
+    block_top_keys(key, kb, best, hist, sel);
+    if (gridDim.x == 1) {
+        cand_write(best, kb, ids, vals);
+        return;
+    }
+    for (int r = threadIdx.x; r < kk; r += blockDim.x) part[(size_t)blockIdx.x * kk + r] = r < kb ? best[r] : 0ull;
+}
+
+// One block of 1024 threads: the k largest of the n <= CAND_KEYS keys in part, as ids and values.
+#define CAND_KEYS 16384
+extern "C" __global__ void __launch_bounds__(1024) top_candidates_merge(const u64* part, int n, int k, int* ids, float* vals) {
+    KSPAN;
+    grid_enter();
+    __shared__ u64 best[CAND_SEL];
+    __shared__ u32 hist[256], sel[3];
+    u64 key[CAND_KEYS / 1024];
+#pragma unroll
+    for (int e = 0; e < CAND_KEYS / 1024; e++) {
+        const int i = e * 1024 + threadIdx.x;
+        key[e] = i < n ? part[i] : 0ull;
+    }
+    block_top_keys(key, k, best, hist, sel);
+    cand_write(best, k, ids, vals);
 }
