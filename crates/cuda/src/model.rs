@@ -60,6 +60,14 @@ fn radix_candidates() -> bool {
     *RADIX.get_or_init(|| std::env::var_os("CHERENKOV_ONE_BLOCK_CANDIDATES").is_none())
 }
 
+/// Whether a streamed block draws its synthetic-router noise before it returns
+/// (`CHERENKOV_NOISE_IN_BLOCK`, a measurement knob; [`MoeStep::noise`]).
+fn noise_in_block() -> bool {
+    use std::sync::OnceLock;
+    static IN_BLOCK: OnceLock<bool> = OnceLock::new();
+    *IN_BLOCK.get_or_init(|| std::env::var_os("CHERENKOV_NOISE_IN_BLOCK").is_some())
+}
+
 fn fused_attn_prep() -> bool {
     use std::sync::OnceLock;
     static FUSED: OnceLock<bool> = OnceLock::new();
@@ -286,12 +294,17 @@ pub(crate) struct MoeStep<'p> {
     /// Being captured into a graph, or replayed from one: no timing events (a captured event
     /// record cannot be read as a clock).
     untimed: bool,
+    /// Streamed MoE layers whose synthetic-router noise for the next token is still to be drawn
+    /// (the benchmark's): drawn while the host waits for the next block's router, not between a
+    /// block's combination and the next layer's kernels.
+    noise: Vec<usize>,
 }
 
 impl MoeStep<'_> {
     pub(crate) fn new() -> Self {
         MoeStep {
             pending: None,
+            noise: Vec::new(),
             routed: Vec::new(),
             read_timed: Vec::new(),
             stamped: Vec::new(),
@@ -715,6 +728,8 @@ impl CudaModel {
         if let Want::Top { k, among } = want {
             self.queue_candidates(sc, k, among, radix_candidates())?;
         }
+        // The last streamed blocks' noise draws, while the step ends.
+        self.draw_noise(st);
         if sc.moe.map.is_some() {
             // Every layer's routing, for the host's accounting after the step.
             let bytes = sc.moe.ids.bytes.min(sc.moe.ids_host.bytes);
@@ -1565,6 +1580,7 @@ impl CudaModel {
             // SAFETY: the previous step's kernels that wrote these ended with its stream sync.
             unsafe { mb.stamps.as_mut_slice::<u64>()[l * 2..l * 2 + 2].fill(0) };
         }
+        let inject = st.inject;
         let combine = |gpu: &Gpu, stamp: u64| {
             gpu.launch(
                 "moe_combine",
@@ -1581,7 +1597,7 @@ impl CudaModel {
                     Arg::Ptr(sc.out.ptr),
                     Arg::I32(h as i32),
                     // Fused hyper-connection injection (the step's blocks), else none.
-                    Arg::Ptr(if st.inject { sc.x.ptr } else { 0 }),
+                    Arg::Ptr(if inject { sc.x.ptr } else { 0 }),
                     Arg::Ptr(sc.inj.ptr),
                     Arg::I32(c.hc_count as i32),
                     Arg::Ptr(stamp),
@@ -1615,6 +1631,8 @@ impl CudaModel {
         if let Some(cx) = &self.cpu_experts {
             cx.team.keep_warm();
         }
+        // The previous blocks' noise draws, while this block's router runs.
+        self.draw_noise(st);
         // 1. Router ready.
         ev[0].wait()?;
         let awake = std::time::Instant::now();
@@ -1709,12 +1727,6 @@ impl CudaModel {
                 ev[5].wait()?;
             }
             self.look_ahead(mb, l, &experts, ahead_of)?;
-            // The synthetic routers' next noise for this layer (the benchmark's), with its estimate
-            // where a lookahead will predict it: 19 us of host time on the build machine (9.6
-            // without the estimate), spent after the lookahead's reads are queued rather than before.
-            if let Some(sk) = &self.skew {
-                sk.prepare_noise(l, e, self.lookahead);
-            }
             Ok(())
         };
         // Where the host has nothing to wait for before queueing the read experts (copies from the
@@ -1802,9 +1814,29 @@ impl CudaModel {
         if early {
             look()?;
         }
+        // The synthetic routers' next noise for this layer (the benchmark's), with its estimate where
+        // a lookahead will predict it: 19 us of host time on the build machine (9.6 without the
+        // estimate), drawn while the next block's router runs (`draw_noise`), where it delays no
+        // kernel: drawn here, it held up the next layer's first kernel by about 10 us a block
+        // (`CHERENKOV_NOISE_IN_BLOCK=1` draws it here, a measurement knob).
+        if self.skew.is_some() {
+            st.noise.push(l);
+            if noise_in_block() {
+                self.draw_noise(st);
+            }
+        }
         // The slots stay leased until a later event shows these kernels finished.
         st.pending = Some(lease);
         Ok(())
+    }
+
+    /// Draws the synthetic routers' noise of the layers `st` holds ([`MoeStep::noise`]).
+    fn draw_noise(&self, st: &mut MoeStep<'_>) {
+        if let Some(sk) = &self.skew {
+            for l in st.noise.drain(..) {
+                sk.prepare_noise(l, self.config().num_experts, self.lookahead);
+            }
+        }
     }
 
     /// Splits a block's top-k ranks into those the CPU computes (`--cpu-experts`: misses of lowest
