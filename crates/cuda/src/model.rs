@@ -50,8 +50,6 @@ use crate::weights::{
 pub const TAG_Q3: u64 = 1 << 63;
 pub const TAG_Q2: u64 = 1 << 62;
 
-/// Whether the attention runs `attn_prep` (one launch) between its projections and `attend`;
-/// `CHERENKOV_NO_FUSED_ATTN_PREP` gives the separate launches it replaced.
 /// Whether the sampling candidates are chosen by radix selection (`CHERENKOV_ONE_BLOCK_CANDIDATES`:
 /// by one block in a pass per candidate, a measurement knob).
 fn radix_candidates() -> bool {
@@ -68,6 +66,8 @@ fn noise_in_block() -> bool {
     *IN_BLOCK.get_or_init(|| std::env::var_os("CHERENKOV_NOISE_IN_BLOCK").is_some())
 }
 
+/// Whether the attention runs `attn_prep` (one launch) between its projections and `attend`;
+/// `CHERENKOV_NO_FUSED_ATTN_PREP` gives the separate launches it replaced.
 fn fused_attn_prep() -> bool {
     use std::sync::OnceLock;
     static FUSED: OnceLock<bool> = OnceLock::new();
