@@ -110,6 +110,8 @@ pub enum Arg {
 thread_local! {
     /// Whether this thread's kernel launches go to the side stream ([`Gpu::on_side`]).
     static ON_SIDE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Whether this thread is capturing the compute stream into a graph ([`Gpu::capture`]).
+    static CAPTURING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 pub struct Gpu {
@@ -581,10 +583,14 @@ impl Gpu {
         Ok(Event { raw, ctx: self.ctx.clone() })
     }
 
-    /// Records `ev` at the current end of the compute stream.
+    /// Records `ev` at the current end of the compute stream. Inside a capture ([`Gpu::capture`])
+    /// the record becomes a node of the graph, recorded at each replay when the work before it
+    /// is done, so the host can wait for a point inside a replayed graph.
     pub fn record(&self, ev: &Event) -> Result<()> {
+        let flags = if CAPTURING.get() { sys::CUevent_record_flags::CU_EVENT_RECORD_EXTERNAL as u32 } else { 0 };
         // SAFETY: ev is a live event of this context; the stream belongs to it.
-        unsafe { cu::event::record(ev.raw, self.stream) }
+        unsafe { sys::cuEventRecordWithFlags(ev.raw, self.stream, flags) }
+            .result()
             .map_err(|e| anyhow::anyhow!("cannot record a CUDA event: {e}"))
     }
 }
@@ -621,7 +627,9 @@ impl Gpu {
         // SAFETY: the stream belongs to this context and is not being captured.
         unsafe { cu::stream::begin_capture(self.stream, mode) }
             .map_err(|e| anyhow::anyhow!("cannot start capturing a CUDA graph: {e}"))?;
+        CAPTURING.set(true);
         let queued = queue();
+        CAPTURING.set(false);
         // SAFETY: the capture begun above, on this thread.
         let ended = unsafe { cu::stream::end_capture(self.stream) };
         let graph = match (queued, ended) {

@@ -206,6 +206,27 @@ pub(crate) struct Scratch {
     pub(crate) step_host: Pinned,
 }
 
+/// What a streamed layer's segment graph ([`CudaModel::queue_layer_head`]) was captured for:
+/// the session's buffers, and the settings that change what the head queues.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct SegmentKey {
+    session: u64,
+    generation: u64,
+    depth: usize,
+    lookahead: bool,
+    cpu_experts: bool,
+    cut_weak: bool,
+    /// The head records the timed router-ready event (the blocks' anatomy).
+    anatomy_event: bool,
+}
+
+/// The segment graphs of one [`SegmentKey`], per decoder layer (captured at first use).
+#[derive(Default)]
+struct SegmentGraphs {
+    key: Option<SegmentKey>,
+    graphs: Vec<Option<Graph>>,
+}
+
 /// What a captured step depends on besides the step inputs: the session's buffers (its identity
 /// and their generation), what it ends with (logits, candidates), and the depth.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -298,6 +319,9 @@ pub(crate) struct MoeStep<'p> {
     /// (the benchmark's): drawn while the host waits for the next block's router, not between a
     /// block's combination and the next layer's kernels.
     noise: Vec<usize>,
+    /// The next block's head ([`CudaModel::moe_head`]) is on the stream already (replayed with
+    /// its layer's segment graph); `moe` clears it.
+    head_queued: bool,
 }
 
 impl MoeStep<'_> {
@@ -319,6 +343,7 @@ impl MoeStep<'_> {
             cpu_experts: 0,
             cpu_wait_ns: 0,
             inject: false,
+            head_queued: false,
         }
     }
 }
@@ -352,6 +377,11 @@ pub struct CudaModel {
     pub cut_weak: Option<f32>,
     /// Replay steps that never wait for the host (every expert resident) as CUDA graphs.
     pub graphs: bool,
+    /// Streaming (with `graphs`): replay each layer's work up to its routing as a graph of its
+    /// own, where attention needs no host choice (`CHERENKOV_NO_SEGMENT_GRAPHS=1`: launch it
+    /// kernel by kernel). The events the host waits on inside it are the graph's event nodes.
+    segments: bool,
+    segments_cache: Mutex<SegmentGraphs>,
     /// Compute some misses on the CPU instead of copying them (`--cpu-experts`; see
     /// [`crate::offload`]); set with [`CudaModel::set_cpu_experts`].
     cpu_experts: Option<crate::offload::CpuExperts>,
@@ -527,6 +557,8 @@ impl CudaModel {
             cut_weak: None,
             cpu_experts: None,
             graphs: std::env::var_os("CHERENKOV_NO_GRAPHS").is_none(),
+            segments: std::env::var_os("CHERENKOV_NO_SEGMENT_GRAPHS").is_none(),
+            segments_cache: Mutex::new(SegmentGraphs::default()),
             depth: c.num_hidden_layers,
             anatomy: false,
             graph: Mutex::new(Vec::new()),
@@ -702,24 +734,53 @@ impl CudaModel {
         w.embed_tokens.embed(g, sc.step_in.ptr, sc.x.ptr, self.config().hc_count)?;
         let pos = s.pos;
         let depth = self.depth.min(w.layers.len());
+        // Streaming, each layer's work up to its MoE block's routing is replayed from a graph of
+        // its own (`segments`), where nothing in it waits for the host.
+        let c = self.config();
+        let dense_attention = c.qsa.as_ref().is_none_or(|q| (pos + 1) / q.compress_ratio <= q.block_topk());
+        let anatomy_event = self.anatomy && !st.untimed;
+        let segment_key =
+            (sc.moe.map.is_none() && self.graphs && self.segments && dense_attention).then_some(SegmentKey {
+                session: s.id,
+                generation: s.generation,
+                depth,
+                lookahead: self.lookahead,
+                cpu_experts: self.cpu_experts.is_some(),
+                cut_weak: self.cut_weak.is_some(),
+                anatomy_event,
+            });
         for (i, (layer, ls)) in w.layers.iter().zip(s.layers.iter_mut()).enumerate().take(depth) {
-            if let Some(p) = &layer.ple {
-                let state = ls.ple_conv.as_ref().context("PLE state")?;
-                self.ple(sc, p, i, state)?;
+            let next = w.layers[..depth].get(i + 1).map(|l| &l.moe);
+            match segment_key {
+                Some(key) => {
+                    // The head's host input: the lookahead's bias row (written again at each replay).
+                    if let Some(n) = next.filter(|_| self.lookahead) {
+                        self.write_bias(sc, n.expert_slot, 1)?;
+                    }
+                    let mut segs = self.segments_cache.lock().unwrap_or_else(|e| e.into_inner());
+                    if segs.key != Some(key) {
+                        segs.key = Some(key);
+                        segs.graphs.clear();
+                    }
+                    segs.graphs.resize_with(depth, || None);
+                    if segs.graphs[i].is_none() {
+                        let graph =
+                            self.gpu.capture(|| self.queue_layer_head(sc, i, layer, ls, pos, next, anatomy_event))?;
+                        segs.graphs[i] = Some(graph);
+                    }
+                    self.gpu.replay(segs.graphs[i].as_ref().expect("captured above"))?;
+                    // What queueing the head does on the host: the attention's count of complete
+                    // QSA blocks (the captured kernels advance them on the device).
+                    if let (MixerState::Attention(a), Some(q)) = (&mut ls.mixer, &c.qsa) {
+                        a.blocks = (pos + 1) / q.compress_ratio;
+                    }
+                    st.head_queued = true;
+                }
+                None => self.queue_layer_head(sc, i, layer, ls, pos, next, anatomy_event)?,
             }
-            self.hc_read(sc, &layer.attn_hc)?;
-            // The mixer's output projection injects its rows into the residual as it writes them.
-            let out =
-                MatvecOutput::Inject { x: sc.x.ptr, inj: sc.inj.ptr, hc: self.config().hc_count, scratch: sc.out.ptr };
-            match (&layer.mixer, &mut ls.mixer) {
-                (Mixer::Gdn(gw), MixerState::Gdn { conv, recurrent }) => self.gdn(sc, gw, conv, recurrent, out)?,
-                (Mixer::Attention(aw), MixerState::Attention(a)) => self.attention(sc, aw, a, pos, out)?,
-                _ => unreachable!("session built for this model"),
-            }
-            self.hc_read(sc, &layer.mlp_hc)?;
             // The combination injects the MoE output (no separate hc_inject).
             st.inject = true;
-            self.moe(sc, &layer.moe, w.layers[..depth].get(i + 1).map(|l| &l.moe), st)?;
+            self.moe(sc, &layer.moe, next, st)?;
         }
         if want != Want::Nothing {
             self.hc_read(sc, &w.hyper_connection_mixer)?;
@@ -736,6 +797,37 @@ impl CudaModel {
             g.download(&sc.moe.ids_host, 0, sc.moe.ids.ptr, bytes)?;
         }
         Ok(())
+    }
+
+    /// Queues decoder layer `i` up to its MoE block's routing: the PLE, the mixer with its
+    /// hyper-connection read, the MoE block's read and its head ([`CudaModel::moe_head`], with
+    /// its timed router-ready event where `anatomy_event`).
+    #[allow(clippy::too_many_arguments)]
+    fn queue_layer_head(
+        &self,
+        sc: &mut Scratch,
+        i: usize,
+        layer: &crate::weights::Layer,
+        ls: &mut crate::session::LayerState,
+        pos: usize,
+        next: Option<&crate::weights::Moe>,
+        anatomy_event: bool,
+    ) -> Result<()> {
+        if let Some(p) = &layer.ple {
+            let state = ls.ple_conv.as_ref().context("PLE state")?;
+            self.ple(sc, p, i, state)?;
+        }
+        self.hc_read(sc, &layer.attn_hc)?;
+        // The mixer's output projection injects its rows into the residual as it writes them.
+        let out =
+            MatvecOutput::Inject { x: sc.x.ptr, inj: sc.inj.ptr, hc: self.config().hc_count, scratch: sc.out.ptr };
+        match (&layer.mixer, &mut ls.mixer) {
+            (Mixer::Gdn(gw), MixerState::Gdn { conv, recurrent }) => self.gdn(sc, gw, conv, recurrent, out)?,
+            (Mixer::Attention(aw), MixerState::Attention(a)) => self.attention(sc, aw, a, pos, out)?,
+            _ => unreachable!("session built for this model"),
+        }
+        self.hc_read(sc, &layer.mlp_hc)?;
+        self.moe_head(sc, &layer.moe, next, anatomy_event)
     }
 
     /// Runs the step as a replay of a captured graph, capturing it first when there is none for
@@ -1481,14 +1573,19 @@ impl CudaModel {
 
     /// The MoE block of the step on `sc.inp` into `sc.out` (see the module docs for the handshake).
     /// `next` is the following layer's block, whose experts the lookahead predicts.
-    pub(crate) fn moe<'p>(
-        &'p self,
-        sc: &mut Scratch,
+    /// A MoE block's head, device work only (a step's segment graph may hold it): the router and
+    /// its routing; streaming, the router-ready event (and with `anatomy_event` its timed twin),
+    /// then the lookahead's router and the shared expert. Every expert resident, the router's
+    /// launch also takes the shared expert's gate/up and its down projection goes to the side
+    /// stream (the block's tail joins it).
+    fn moe_head(
+        &self,
+        sc: &Scratch,
         m: &crate::weights::Moe,
         next: Option<&crate::weights::Moe>,
-        st: &mut MoeStep<'p>,
+        anatomy_event: bool,
     ) -> Result<()> {
-        let c = self.config().clone();
+        let c = self.config();
         let g = &*self.gpu;
         let (h, e, k) = (c.hidden_size, c.num_experts, c.num_experts_per_tok);
         let l = m.expert_slot;
@@ -1541,7 +1638,7 @@ impl CudaModel {
                 g.download(&mb.weights_host, l * k * 4, weights, k * 4)?;
             }
             g.record(&ev[0])?;
-            if self.anatomy && !st.untimed {
+            if anatomy_event {
                 g.record(&ev[6])?;
             }
         }
@@ -1571,6 +1668,33 @@ impl CudaModel {
         } else {
             shared_down()?;
         }
+        Ok(())
+    }
+
+    /// One MoE block: its head ([`CudaModel::moe_head`], unless the step's segment graph queued it
+    /// already: [`MoeStep::head_queued`]), then the routed experts and the combination. Streaming,
+    /// the host waits here for the router and leases the block's experts.
+    pub(crate) fn moe<'p>(
+        &'p self,
+        sc: &mut Scratch,
+        m: &crate::weights::Moe,
+        next: Option<&crate::weights::Moe>,
+        st: &mut MoeStep<'p>,
+    ) -> Result<()> {
+        if !std::mem::take(&mut st.head_queued) {
+            self.moe_head(sc, m, next, self.anatomy && !st.untimed)?;
+        }
+        let c = self.config().clone();
+        let g = &*self.gpu;
+        let (h, k) = (c.hidden_size, c.num_experts_per_tok);
+        let l = m.expert_slot;
+        let [_, _, _, shared, sgate, _, _] = &sc.big;
+        let mb = &sc.moe;
+        let resident = mb.map.is_some();
+        let beside = resident && self.shared_beside;
+        let (table, ranks, weights) = (mb.tables.at(l * k * 8), mb.ranks.at(l * k * 4), mb.weights.at(l * k * 4));
+        let ev = &mb.events[l];
+        let ahead_of = next.filter(|_| self.lookahead && !resident);
         st.routed.push(l);
         let layout = &self.store.manifest.experts.layers[l];
         // Clock stamps instead of events where nothing else needs events (the anatomy reads them).
