@@ -183,6 +183,17 @@ fn anatomy_table(cases: &[Case]) -> String {
             per(a.read_ns, a.blocks_missing)
         ));
     }
+    md.push_str("\nThe host's turn (mean ms per block, from the router-ready wait's return):\n\n| case | to the copies queued (blocks with misses) | of which in the pool's loads (their bookkeeping and the copies' driver calls) | to the resident experts' kernels queued (all blocks) |\n| --- | --- | --- | --- |\n");
+    for k in cases.iter().filter(|k| k.anatomy.blocks > 0) {
+        let a = &k.anatomy;
+        md.push_str(&format!(
+            "| {} | {} | {} | {} |\n",
+            k.name,
+            per(a.host_turn_ns, a.blocks_missing),
+            per(a.host_loads_ns, a.blocks_missing),
+            per(a.host_resident_ns, a.blocks)
+        ));
+    }
     md
 }
 
@@ -400,7 +411,10 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         pin: false,
         depth: layers,
         cpu: None,
-        anatomy: args.quick,
+        // The quick bench times its blocks (the anatomy's events), unless
+        // `CHERENKOV_BENCH_NO_ANATOMY` (a measurement knob): then its cases run as the full
+        // bench's do, with the kernels' clock stamps alone.
+        anatomy: args.quick && std::env::var_os("CHERENKOV_BENCH_NO_ANATOMY").is_none(),
     };
     let pinned = Spec { slots: streamed_slots, pin: true, ..resident };
     let g = &args.gpu_memory;

@@ -142,8 +142,13 @@ pub struct BlockAnatomy {
     pub copy_to_read_end_ns: u64,
     pub read_ns: u64,
     /// Host time from the router-ready wait's return to the lease (the misses' copies queued),
-    /// over the blocks with misses.
+    /// over the blocks with misses, and the part of it in the pool's loads (their bookkeeping and
+    /// the copies' driver calls).
     pub host_turn_ns: u64,
+    pub host_loads_ns: u64,
+    /// Host time from the router-ready wait's return to the resident experts' kernels queued,
+    /// over all blocks.
+    pub host_resident_ns: u64,
     /// Router ready to the next block's router ready (blocks followed by one in the same step):
     /// one layer, and how many were measured.
     pub spans: u64,
@@ -162,6 +167,8 @@ impl BlockAnatomy {
         self.copy_to_read_end_ns += o.copy_to_read_end_ns;
         self.read_ns += o.read_ns;
         self.host_turn_ns += o.host_turn_ns;
+        self.host_loads_ns += o.host_loads_ns;
+        self.host_resident_ns += o.host_resident_ns;
         self.spans += o.spans;
         self.span_ns += o.span_ns;
     }
@@ -291,6 +298,9 @@ pub(crate) struct MoeStep<'p> {
     /// MoE layers whose expert kernels were timed by the kernels' own clock stamps
     /// ([`MoeBufs::stamps`]): all of them (every expert resident) or the read ones (streaming).
     stamped: Vec<usize>,
+    /// Streamed MoE layers whose experts were all resident and on the GPU, timed by their clock
+    /// stamps alone (no events around them).
+    whole_stamped: Vec<usize>,
     /// MoE layers with misses whose copies the stream waited for (copies in the background): their
     /// waiting is the GPU's, from the resident experts' end to the read experts' start.
     gpu_waited: Vec<usize>,
@@ -300,6 +310,8 @@ pub(crate) struct MoeStep<'p> {
     /// Host time from the router-ready waits' return to the leases, over the timed blocks with
     /// misses (ns).
     host_turn_ns: u64,
+    host_loads_ns: u64,
+    host_resident_ns: u64,
     wait_ns: u64,
     start: std::time::Instant,
     /// Host time until everything up to the logits was queued.
@@ -332,9 +344,12 @@ impl MoeStep<'_> {
             routed: Vec::new(),
             read_timed: Vec::new(),
             stamped: Vec::new(),
+            whole_stamped: Vec::new(),
             gpu_waited: Vec::new(),
             blocks: Vec::new(),
             host_turn_ns: 0,
+            host_loads_ns: 0,
+            host_resident_ns: 0,
             wait_ns: 0,
             start: std::time::Instant::now(),
             queued_ns: None,
@@ -382,6 +397,9 @@ pub struct CudaModel {
     /// kernel by kernel). The events the host waits on inside it are the graph's event nodes.
     segments: bool,
     segments_cache: Mutex<SegmentGraphs>,
+    /// A streamed head records its events on the side stream ([`Gpu::record_beside`]), so that
+    /// the head's kernels keep their early launch (`CHERENKOV_EVENTS_IN_LINE=1`: in line).
+    events_beside: bool,
     /// Compute some misses on the CPU instead of copying them (`--cpu-experts`; see
     /// [`crate::offload`]); set with [`CudaModel::set_cpu_experts`].
     cpu_experts: Option<crate::offload::CpuExperts>,
@@ -559,6 +577,7 @@ impl CudaModel {
             graphs: std::env::var_os("CHERENKOV_NO_GRAPHS").is_none(),
             segments: std::env::var_os("CHERENKOV_NO_SEGMENT_GRAPHS").is_none(),
             segments_cache: Mutex::new(SegmentGraphs::default()),
+            events_beside: std::env::var_os("CHERENKOV_EVENTS_IN_LINE").is_none(),
             depth: c.num_hidden_layers,
             anatomy: false,
             graph: Mutex::new(Vec::new()),
@@ -931,7 +950,8 @@ impl CudaModel {
             // Every expert resident: the stamps, or for the anatomy the events around the experts.
             // Streaming: the resident experts' events, then the read experts' stamps or events.
             let mut ns = stamped;
-            if mb.map.is_none() || !st.stamped.contains(&l) {
+            let whole = st.stamped.contains(&l) && (mb.map.is_some() || st.whole_stamped.contains(&l));
+            if !whole {
                 ns += ms(&ev[1], &ev[2])?;
             }
             if st.read_timed.contains(&l) {
@@ -948,7 +968,12 @@ impl CudaModel {
         let anatomy = if st.untimed || !self.anatomy {
             BlockAnatomy::default()
         } else {
-            BlockAnatomy { host_turn_ns: st.host_turn_ns, ..self.block_anatomy(mb, &st.blocks, &st.read_timed)? }
+            BlockAnatomy {
+                host_turn_ns: st.host_turn_ns,
+                host_loads_ns: st.host_loads_ns,
+                host_resident_ns: st.host_resident_ns,
+                ..self.block_anatomy(mb, &st.blocks, &st.read_timed)?
+            }
         };
         self.add_timing(|t| {
             t.anatomy.add(&anatomy);
@@ -1637,9 +1662,9 @@ impl CudaModel {
                 // The routing weights too, for the deadline cut.
                 g.download(&mb.weights_host, l * k * 4, weights, k * 4)?;
             }
-            g.record(&ev[0])?;
+            self.record_head_event(&ev[0])?;
             if anatomy_event {
-                g.record(&ev[6])?;
+                self.record_head_event(&ev[6])?;
             }
         }
         // Lookahead (streaming only): the next block's router on this block's input, queued after
@@ -1655,7 +1680,7 @@ impl CudaModel {
             let ids = mb.pred_ids.at(nl * 2 * k * 4);
             let host = mb.pred_host.dev + (nl * 2 * k * 4) as u64;
             self.route(ahead.ptr, bias, w, ids, mb.pred_weights.at(nl * 2 * k * 4), host, 0, 0, 0)?;
-            g.record(&ev[5])?;
+            self.record_head_event(&ev[5])?;
         }
         // The shared expert's down projection runs while the host reads the routing: silu(gate) * up,
         // applied as it stages its input.
@@ -1668,7 +1693,17 @@ impl CudaModel {
         } else {
             shared_down()?;
         }
+        if !resident && self.events_beside {
+            // The side stream that recorded the head's events rejoins (a capture ends joined).
+            g.join()?;
+        }
         Ok(())
+    }
+
+    /// Records one of a streamed head's events (router ready, its timed twin, lookahead ready):
+    /// beside the compute stream ([`Gpu::record_beside`]) unless `CHERENKOV_EVENTS_IN_LINE=1`.
+    fn record_head_event(&self, ev: &Event) -> Result<()> {
+        if self.events_beside { self.gpu.record_beside(ev) } else { self.gpu.record(ev) }
     }
 
     /// One MoE block: its head ([`CudaModel::moe_head`], unless the step's segment graph queued it
@@ -1790,12 +1825,14 @@ impl CudaModel {
         // 2. Lease (misses are queued first). Copies from a pinned expert file only need queueing:
         // this thread queues them at once, and no IO thread is woken for them.
         let background = mem.copies_in_background();
+        let batch0 = mem.batch_ns();
         let lease = if background {
             self.pool.acquire_loading(l, &gpu_experts)?
         } else {
             self.pool.acquire(l, &gpu_experts)?
         };
         let turn_ns = awake.elapsed().as_nanos() as u64;
+        let loads_ns = mem.batch_ns() - batch0;
         // The misses' back parts (their down projections) behind every front (the lease queued the
         // fronts), so the read experts' gate/up kernel can start before they land.
         if background {
@@ -1831,6 +1868,7 @@ impl CudaModel {
             st.blocks.push((l, order[hits..].iter().map(|&i| entries[i].slot).collect()));
             if hits < n_gpu {
                 st.host_turn_ns += turn_ns;
+                st.host_loads_ns += loads_ns;
             }
         }
         // 3. The resident experts' kernels run while the reads finish (a copy that landed since it
@@ -1839,10 +1877,23 @@ impl CudaModel {
             mem.await_slot(entries[i].slot)?;
         }
         // (Events around them: they run while the copies do, so an event between kernels costs
-        // nothing there, and the one after them is the deadline cut's.)
-        g.record(&ev[1])?;
-        self.launch_experts(sc, layout, table, 0, hits, &mut || Ok(()), 0)?;
-        g.record(&ev[2])?;
+        // nothing there, and the one after them is the deadline cut's. In a block with every
+        // expert on the GPU and resident, the kernels' clock stamps time them instead, as in a
+        // resident step: an event between them and the combination cost it its early launch,
+        // about 3 us a block on the H200.)
+        let whole = stamp && hits == n_gpu && cpu_ranks.is_empty();
+        if whole {
+            self.launch_experts(sc, layout, table, 0, hits, &mut || Ok(()), stamps)?;
+            st.stamped.push(l);
+            st.whole_stamped.push(l);
+        } else {
+            g.record(&ev[1])?;
+            self.launch_experts(sc, layout, table, 0, hits, &mut || Ok(()), 0)?;
+            g.record(&ev[2])?;
+        }
+        if !st.untimed && self.anatomy {
+            st.host_resident_ns += awake.elapsed().as_nanos() as u64;
+        }
         let look = || -> Result<()> {
             // The cache policy's bookkeeping (adaptive LRFU's ghost caches) while the copies run.
             self.pool.replay_ghosts();

@@ -55,6 +55,8 @@ thread_local! {
     /// Whether this thread is inside a step's batch of loads (`SlotMemory::begin_batch`): 0 no,
     /// 1 yes and nothing copied yet, 2 yes and the first copy queued.
     static BATCHING: std::cell::Cell<u8> = const { std::cell::Cell::new(0) };
+    /// When this thread's batch began (its host time goes to [`DeviceSlots::batch_ns`]).
+    static BATCH_START: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
     /// Each reading thread's bounce buffer (see [`stage_record`]).
     static BOUNCE: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
@@ -152,6 +154,9 @@ pub struct DeviceSlots {
     staging: Mutex<Vec<Staging>>,
     /// Where load time goes (see [`LoadSplit`]).
     split: [AtomicU64; 7],
+    /// Host time inside steps' batches of loads, from `begin_batch` to the end of `end_batch`
+    /// (ns): a step's misses leased and their copies queued.
+    batch_ns: AtomicU64,
     /// The store's expert file pinned for the copy engine, if it is.
     pinned: Option<PinnedExperts>,
     /// Per slot, the last copy from the pinned file, while it may still be running.
@@ -234,6 +239,7 @@ impl DeviceSlots {
             record_bytes,
             staging: Mutex::new(Vec::new()),
             split: Default::default(),
+            batch_ns: AtomicU64::new(0),
             pinned: None,
             copies: (0..slot_count).map(|_| Mutex::new(SlotCopy::default())).collect(),
             copy_stream: Mutex::new(None),
@@ -474,6 +480,11 @@ impl DeviceSlots {
         }
     }
 
+    /// Host time spent in steps' batches of loads so far (ns; see `batch_ns`).
+    pub fn batch_ns(&self) -> u64 {
+        self.batch_ns.load(Ordering::Relaxed)
+    }
+
     /// The GPU the slots live on (whose compute stream [`DeviceSlots::await_slot`] makes wait).
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu
@@ -707,12 +718,17 @@ impl SlotMemory for DeviceSlots {
 
     fn begin_batch(&self) {
         BATCHING.set(1);
+        BATCH_START.set(Some(Instant::now()));
     }
 
     fn end_batch(&self) -> Result<()> {
         BATCHING.set(0);
         self.gpu.bind()?;
-        self.queue_fronts()
+        let queued = self.queue_fronts();
+        if let Some(t0) = BATCH_START.take() {
+            self.batch_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        }
+        queued
     }
 
     fn load(&self, slot: usize, record: &dyn RecordSource) -> Result<()> {
