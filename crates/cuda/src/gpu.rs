@@ -287,6 +287,11 @@ impl Gpu {
         .map_err(|e| anyhow::anyhow!("cannot record a CUDA event beside the compute stream: {e}"))
     }
 
+    /// Whether this thread is capturing the compute stream into a graph ([`Gpu::capture`]).
+    pub fn capturing(&self) -> bool {
+        CAPTURING.get()
+    }
+
     /// Makes the compute stream's later work wait for the side stream's ([`Gpu::on_side`]).
     pub fn join(&self) -> Result<()> {
         // SAFETY: an event and a stream of this context.

@@ -793,10 +793,11 @@ impl CudaModel {
                     if let (MixerState::Attention(a), Some(q)) = (&mut ls.mixer, &c.qsa) {
                         a.blocks = (pos + 1) / q.compress_ratio;
                     }
-                    st.head_queued = true;
                 }
                 None => self.queue_layer_head(sc, i, layer, ls, pos, next, anatomy_event)?,
             }
+            // The head is on the stream either way: `moe` queues the rest.
+            st.head_queued = true;
             // The combination injects the MoE output (no separate hc_inject).
             st.inject = true;
             self.moe(sc, &layer.moe, next, st)?;
@@ -1693,7 +1694,7 @@ impl CudaModel {
         } else {
             shared_down()?;
         }
-        if !resident && self.events_beside {
+        if !resident && self.head_events_beside() {
             // The side stream that recorded the head's events rejoins (a capture ends joined).
             g.join()?;
         }
@@ -1701,9 +1702,16 @@ impl CudaModel {
     }
 
     /// Records one of a streamed head's events (router ready, its timed twin, lookahead ready):
-    /// beside the compute stream ([`Gpu::record_beside`]) unless `CHERENKOV_EVENTS_IN_LINE=1`.
+    /// beside the compute stream ([`Gpu::record_beside`]) in a segment graph's capture, unless
+    /// `CHERENKOV_EVENTS_IN_LINE=1`; in line where the head's kernels are launched one by one (there
+    /// a record between two launches costs the second its early launch either way, and the fork's
+    /// four driver calls would only delay the host).
     fn record_head_event(&self, ev: &Event) -> Result<()> {
-        if self.events_beside { self.gpu.record_beside(ev) } else { self.gpu.record(ev) }
+        if self.head_events_beside() { self.gpu.record_beside(ev) } else { self.gpu.record(ev) }
+    }
+
+    fn head_events_beside(&self) -> bool {
+        self.events_beside && self.gpu.capturing()
     }
 
     /// One MoE block: its head ([`CudaModel::moe_head`], unless the step's segment graph queued it
