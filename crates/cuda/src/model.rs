@@ -1597,8 +1597,6 @@ impl CudaModel {
         Ok(())
     }
 
-    /// The MoE block of the step on `sc.inp` into `sc.out` (see the module docs for the handshake).
-    /// `next` is the following layer's block, whose experts the lookahead predicts.
     /// A MoE block's head, device work only (a step's segment graph may hold it): the router and
     /// its routing; streaming, the router-ready event (and with `anatomy_event` its timed twin),
     /// then the lookahead's router and the shared expert. Every expert resident, the router's
@@ -1714,9 +1712,11 @@ impl CudaModel {
         self.events_beside && self.gpu.capturing()
     }
 
-    /// One MoE block: its head ([`CudaModel::moe_head`], unless the step's segment graph queued it
-    /// already: [`MoeStep::head_queued`]), then the routed experts and the combination. Streaming,
-    /// the host waits here for the router and leases the block's experts.
+    /// The MoE block of the step on `sc.inp` into `sc.out` (see the module docs for the handshake):
+    /// its head ([`CudaModel::moe_head`], unless the step queued it already:
+    /// [`MoeStep::head_queued`]), then the routed experts and the combination; streaming, the host
+    /// waits here for the router and leases the block's experts. `next` is the following layer's
+    /// block, whose experts the lookahead predicts.
     pub(crate) fn moe<'p>(
         &'p self,
         sc: &mut Scratch,
