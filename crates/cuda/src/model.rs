@@ -783,8 +783,10 @@ impl CudaModel {
                     }
                     segs.graphs.resize_with(depth, || None);
                     if segs.graphs[i].is_none() {
-                        let graph =
-                            self.gpu.capture(|| self.queue_layer_head(sc, i, layer, ls, pos, next, anatomy_event))?;
+                        let graph = self
+                            .gpu
+                            .capture(|| self.queue_layer_head(sc, i, layer, ls, pos, next, anatomy_event))
+                            .with_context(|| format!("decoder layer {i}'s segment graph (streamed step)"))?;
                         segs.graphs[i] = Some(graph);
                     }
                     self.gpu.replay(segs.graphs[i].as_ref().expect("captured above"))?;
