@@ -110,6 +110,7 @@ struct Spec {
 }
 
 /// What one case measured.
+#[derive(Default)]
 struct Case {
     name: String,
     /// Layers a step ran.
@@ -191,6 +192,23 @@ fn anatomy_table(cases: &[Case]) -> String {
             k.name,
             per(a.host_turn_ns, a.blocks_missing),
             per(a.host_loads_ns, a.blocks_missing),
+            per(a.host_resident_ns, a.blocks)
+        ));
+    }
+    md.push_str("\nThe host's turn step by step (mean ms per block from the router-ready wait's return until each point; the pool's batch over the blocks with misses):\n\n| case | pool's acquire called | its batch of loads begun | its first copy queued | lease returned | back parts queued | table written | stream's waits for resident copies queued | resident experts' kernels queued |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+    for k in cases.iter().filter(|k| k.anatomy.blocks > 0) {
+        let a = &k.anatomy;
+        let (m, b) = (a.host_marks, a.host_batch_marks);
+        md.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            k.name,
+            per(m[0], a.blocks),
+            per(b[0], a.blocks_missing),
+            per(b[1], a.blocks_missing),
+            per(m[1], a.blocks),
+            per(m[2], a.blocks),
+            per(m[3], a.blocks),
+            per(m[4], a.blocks),
             per(a.host_resident_ns, a.blocks)
         ));
     }
@@ -330,6 +348,8 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             drop_page_cache(&experts_file)?;
         }
         let mut memory = DeviceSlots::new(gpu.clone(), slots, store.record_bytes())?;
+        // The copies are timed on the GPU where the blocks are (the anatomy reads their windows).
+        memory.set_copy_timing(anatomy);
         if pin {
             memory.set_pinned(PinnedExperts::pin(gpu.clone(), &store, &|_| {})?);
         }
@@ -432,19 +452,33 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         // `CHERENKOV_BENCH_RESIDENT_ONLY` (a measurement knob for kernel work, as
         // `CHERENKOV_TWICE`): only the resident case at both depths, which no streaming case
         // changes.
+        // `CHERENKOV_BENCH_PINNED_ONLY` (a knob for A/B runs of the streaming path): only the
+        // pinned streamed case, without the 48-layer extrapolation.
         let resident_only = std::env::var_os("CHERENKOV_BENCH_RESIDENT_ONLY").is_some();
-        let mut cases = vec![run_case("all experts resident", resident)?];
-        if !resident_only {
+        let pinned_only = std::env::var_os("CHERENKOV_BENCH_PINNED_ONLY").is_some();
+        let mut cases = Vec::new();
+        if !pinned_only {
+            cases.push(run_case("all experts resident", resident)?);
+        }
+        if !resident_only && !pinned_only {
             cases.push(run_case("all experts resident, no CUDA graphs", Spec { graphs: false, ..resident })?);
+        }
+        if !resident_only {
             cases.push(run_case(&format!("{g} budget, page cache warm, expert file pinned"), pinned)?);
+        }
+        if !resident_only && !pinned_only {
             cases.push(run_case(&format!("{g} budget, pinned, no lookahead"), Spec { lookahead: false, ..pinned })?);
         }
-        cases.push(run_case(
-            &format!("all experts resident, first {} layers only", layers / 2),
-            Spec { depth: (layers / 2).max(1), ..resident },
-        )?);
-        let half = &cases[cases.len() - 1];
-        let per_token_ms = per_token_part(1e3 / cases[0].tok_s, layers, 1e3 / half.tok_s, half.depth);
+        let per_token_ms = if pinned_only {
+            None
+        } else {
+            cases.push(run_case(
+                &format!("all experts resident, first {} layers only", layers / 2),
+                Spec { depth: (layers / 2).max(1), ..resident },
+            )?);
+            let half = &cases[cases.len() - 1];
+            Some(per_token_part(1e3 / cases[0].tok_s, layers, 1e3 / half.tok_s, half.depth))
+        };
         let mut md = format!(
             "# Decode benchmark (quick), {}\n\nCommand: `cherenkov bench --quick --layers {} --tokens {} --gpu-memory {} --synthetic-routing {}`  \nGPU: {}; device copy {:.0} GB/s, pinned host-to-device {:.1} GB/s (measured).\n\n",
             today(),
@@ -459,10 +493,10 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         md.push_str("| case | tok/s | 48-layer tok/s | hit rate | lookahead accuracy | read per token (unused prefetches) | dense ms/tok | experts ms/tok | waiting ms/tok | vs PCIe bound |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
         for k in &cases {
             md.push_str(&format!(
-                "| {} | {:.1} | {:.1} | {:.1}% | {} | {} ({}) | {:.2} | {:.2} | {:.2} | {} |\n",
+                "| {} | {:.1} | {} | {:.1}% | {} | {} ({}) | {:.2} | {:.2} | {:.2} | {} |\n",
                 k.name,
                 k.tok_s,
-                tok_s_at_depth(48, per_token_ms, 1e3 / k.tok_s, k.depth),
+                per_token_ms.map_or("-".into(), |p| format!("{:.1}", tok_s_at_depth(48, p, 1e3 / k.tok_s, k.depth))),
                 100.0 * k.hit_rate,
                 k.lookahead.map_or("-".to_string(), |a| format!("{:.1}%", 100.0 * a)),
                 format_bytes(k.bytes_per_token as u64),
@@ -473,7 +507,9 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
                 if k.slots < all { format!("{:.1}% ({:.0} tok/s)", 100.0 * pcie(k).0, pcie(k).1) } else { "-".into() }
             ));
         }
-        md.push_str(&format!("\nPer-token part {per_token_ms:.3} ms.\n"));
+        if let Some(p) = per_token_ms {
+            md.push_str(&format!("\nPer-token part {p:.3} ms.\n"));
+        }
         md.push_str(&anatomy_table(&cases));
         std::fs::create_dir_all(&args.out)?;
         let path = args.out.join(format!("bench-{}-quick.md", today()));
@@ -674,11 +710,11 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         100.0 * cases[5].hit_rate,
         cases[2].share.map_or("-".to_string(), |s| format!("{:.1}%", 100.0 * s))
     ));
-    md.push_str("\nExpert loads in the timed part (how many were copied straight from the pinned expert file; mean per load: reading the record's pieces in parallel into pinned memory, none for a pinned file; the driver call queueing the copy; the checksum, while the copy to the GPU runs; then waiting for the copy; and the copy itself, timed by GPU events on its stream: for a copy in two parts, from its front's start to its back's end, other copies between):\n\n| case | loads | from the pinned file | read ms | queue copy ms | checksum ms | copy wait ms | copy on the GPU ms |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n");
+    md.push_str("\nExpert loads in the timed part (how many were copied straight from the pinned expert file; mean per load: reading the record's pieces in parallel into pinned memory, none for a pinned file; the driver call queueing the copy; the checksum, while the copy to the GPU runs; then waiting for the copy; and the copy itself, timed by GPU events on its stream: for a copy in two parts, from its front's start to its back's end, other copies between; copies from the pinned file are timed only in the cases that time their blocks, since the timing events cost the link time):\n\n| case | loads | from the pinned file | read ms | queue copy ms | checksum ms | copy wait ms | copy on the GPU ms |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n");
     for k in cases.iter().filter(|k| k.loads.loads > 0) {
         let per = |ns: u64| ns as f64 / 1e6 / k.loads.loads as f64;
         md.push_str(&format!(
-            "| {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} |\n",
+            "| {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.3} | {} |\n",
             k.name,
             k.loads.loads,
             k.loads.direct,
@@ -686,7 +722,11 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             per(k.loads.queue_ns),
             per(k.loads.verify_ns),
             per(k.loads.copy_wait_ns),
-            per(k.loads.copy_gpu_ns)
+            if k.loads.copies_timed == 0 {
+                "-".to_string()
+            } else {
+                format!("{:.3}", k.loads.copy_gpu_ns as f64 / 1e6 / k.loads.copies_timed as f64)
+            }
         ));
     }
     md.push_str(&format!(
@@ -756,5 +796,24 @@ mod tests {
         assert!((tok_s_at_depth(48, 0.0, step(4), 4) - 1e3 * 4.0 / 48.0 / step(4)).abs() < 1e-6);
         // Noise that tilts the line below zero at zero layers gives no negative part.
         assert_eq!(per_token_part(1.0, 4, 0.2, 2), 0.0);
+    }
+
+    #[test]
+    fn the_anatomy_gives_the_host_turn_as_means_per_block() {
+        let anatomy = cherenkov_cuda::model::BlockAnatomy {
+            blocks: 4,
+            blocks_missing: 2,
+            host_marks: [4_000, 40_000, 60_000, 80_000, 88_000],
+            host_batch_marks: [20_000, 36_000],
+            host_resident_ns: 120_000,
+            ..Default::default()
+        };
+        let untimed = Case { name: "resident".into(), ..Default::default() };
+        let md = anatomy_table(&[untimed, Case { name: "streamed".into(), anatomy, ..Default::default() }]);
+        let rows: Vec<&str> = md.lines().filter(|l| l.starts_with("| streamed |")).collect();
+        // The per-block columns over all four blocks, the batch's over the two with misses.
+        assert_eq!(rows.last(), Some(&"| streamed | 0.001 | 0.010 | 0.018 | 0.010 | 0.015 | 0.020 | 0.022 | 0.030 |"));
+        assert!(!md.contains("| resident |"), "a case without timed blocks has no rows:\n{md}");
+        assert_eq!(anatomy_table(&[Case::default()]), "");
     }
 }

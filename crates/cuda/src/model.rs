@@ -149,6 +149,13 @@ pub struct BlockAnatomy {
     /// Host time from the router-ready wait's return to the resident experts' kernels queued,
     /// over all blocks.
     pub host_resident_ns: u64,
+    /// The host's turn step by step (ns from the router-ready wait's return, summed over all
+    /// blocks): the pool's acquire called, the lease returned, the back parts queued, the table
+    /// written, the stream's waits for the resident experts' copies queued. And over the blocks
+    /// with misses: the pool's batch of loads begun, its first copy queued (its end where it
+    /// queued none: a block whose only misses were prefetches still copying).
+    pub host_marks: [u64; 5],
+    pub host_batch_marks: [u64; 2],
     /// Router ready to the next block's router ready (blocks followed by one in the same step):
     /// one layer, and how many were measured.
     pub spans: u64,
@@ -169,6 +176,8 @@ impl BlockAnatomy {
         self.host_turn_ns += o.host_turn_ns;
         self.host_loads_ns += o.host_loads_ns;
         self.host_resident_ns += o.host_resident_ns;
+        (0..5).for_each(|i| self.host_marks[i] += o.host_marks[i]);
+        (0..2).for_each(|i| self.host_batch_marks[i] += o.host_batch_marks[i]);
         self.spans += o.spans;
         self.span_ns += o.span_ns;
     }
@@ -312,6 +321,8 @@ pub(crate) struct MoeStep<'p> {
     host_turn_ns: u64,
     host_loads_ns: u64,
     host_resident_ns: u64,
+    host_marks: [u64; 5],
+    host_batch_marks: [u64; 2],
     wait_ns: u64,
     start: std::time::Instant,
     /// Host time until everything up to the logits was queued.
@@ -350,6 +361,8 @@ impl MoeStep<'_> {
             host_turn_ns: 0,
             host_loads_ns: 0,
             host_resident_ns: 0,
+            host_marks: [0; 5],
+            host_batch_marks: [0; 2],
             wait_ns: 0,
             start: std::time::Instant::now(),
             queued_ns: None,
@@ -975,6 +988,8 @@ impl CudaModel {
                 host_turn_ns: st.host_turn_ns,
                 host_loads_ns: st.host_loads_ns,
                 host_resident_ns: st.host_resident_ns,
+                host_marks: st.host_marks,
+                host_batch_marks: st.host_batch_marks,
                 ..self.block_anatomy(mb, &st.blocks, &st.read_timed)?
             }
         };
@@ -1836,6 +1851,7 @@ impl CudaModel {
         // this thread queues them at once, and no IO thread is woken for them.
         let background = mem.copies_in_background();
         let batch0 = mem.batch_ns();
+        let acquire_at = std::time::Instant::now();
         let lease = if background {
             self.pool.acquire_loading(l, &gpu_experts)?
         } else {
@@ -1843,11 +1859,18 @@ impl CudaModel {
         };
         let turn_ns = awake.elapsed().as_nanos() as u64;
         let loads_ns = mem.batch_ns() - batch0;
+        let since = |t: std::time::Instant| t.saturating_duration_since(awake).as_nanos() as u64;
+        let mut marks = [since(acquire_at), turn_ns, 0, 0, 0];
+        let batch_marks = match crate::slots::last_batch() {
+            (Some(a), Some(b)) if background && a >= awake => Some([since(a), since(b)]),
+            _ => None,
+        };
         // The misses' back parts (their down projections) behind every front (the lease queued the
         // fronts), so the read experts' gate/up kernel can start before they land.
         if background {
             mem.queue_backs()?;
         }
+        marks[2] = since(std::time::Instant::now());
         if !cpu_ranks.is_empty() {
             let ids: Vec<usize> = cpu_ranks.iter().map(|&r| experts[r]).collect();
             self.pool.record_cpu_computed(l, &ids);
@@ -1874,17 +1897,25 @@ impl CudaModel {
         // SAFETY: the stream has passed this layer's previous use of its table rows (ev[0] follows
         // the previous step's end), so no copy reads them while they are written.
         unsafe { self.write_entries(mb, l, &lease, &gpu_ranks, &order, n_gpu, &cpu_ranks)? };
+        marks[3] = since(std::time::Instant::now());
         if !st.untimed && self.anatomy {
             st.blocks.push((l, order[hits..].iter().map(|&i| entries[i].slot).collect()));
             if hits < n_gpu {
                 st.host_turn_ns += turn_ns;
                 st.host_loads_ns += loads_ns;
+                if let Some(b) = batch_marks {
+                    (0..2).for_each(|i| st.host_batch_marks[i] += b[i]);
+                }
             }
         }
         // 3. The resident experts' kernels run while the reads finish (a copy that landed since it
         // was checked above costs the stream nothing to wait for).
         for &i in &order[..hits] {
             mem.await_slot(entries[i].slot)?;
+        }
+        marks[4] = since(std::time::Instant::now());
+        if !st.untimed && self.anatomy {
+            (0..5).for_each(|i| st.host_marks[i] += marks[i]);
         }
         // (Events around them: they run while the copies do, so an event between kernels costs
         // nothing there, and the one after them is the deadline cut's. In a block with every

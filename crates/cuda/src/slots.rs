@@ -57,6 +57,11 @@ thread_local! {
     static BATCHING: std::cell::Cell<u8> = const { std::cell::Cell::new(0) };
     /// When this thread's batch began (its host time goes to [`DeviceSlots::batch_ns`]).
     static BATCH_START: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
+    /// When this thread's batch queued its first copy, and this thread's last batch's start and
+    /// first copy (see [`last_batch`]).
+    static FIRST_COPY: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
+    static LAST_BATCH: std::cell::Cell<(Option<Instant>, Option<Instant>)> =
+        const { std::cell::Cell::new((None, None)) };
     /// Each reading thread's bounce buffer (see [`stage_record`]).
     static BOUNCE: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
@@ -153,7 +158,7 @@ pub struct DeviceSlots {
     /// concurrent load.
     staging: Mutex<Vec<Staging>>,
     /// Where load time goes (see [`LoadSplit`]).
-    split: [AtomicU64; 7],
+    split: [AtomicU64; 8],
     /// Host time inside steps' batches of loads, from `begin_batch` to the end of `end_batch`
     /// (ns): a step's misses leased and their copies queued.
     batch_ns: AtomicU64,
@@ -175,9 +180,12 @@ pub struct DeviceSlots {
     batch: bool,
     /// Hold a batch's first copy too (`CHERENKOV_HOLD_FIRST_COPY=1`, for measurements).
     hold_first: bool,
+    /// Time the copies from the pinned file on the GPU ([`DeviceSlots::set_copy_timing`]).
+    time_copies: bool,
 }
 
-/// A slot's copy events (made at its first copy from the pinned file: start, front landed, end),
+/// A slot's copy events (made at its first copy from the pinned file: start, front landed, end;
+/// the start recorded only where copies are timed, [`DeviceSlots::set_copy_timing`]),
 /// whether the last copy has not yet been seen complete, and the record's parts while their copies
 /// are not queued yet: the front (or the whole record) while its step's batch is open, the back
 /// until [`DeviceSlots::queue_backs`] (see [`DeviceSlots::set_front_bytes`]).
@@ -223,6 +231,9 @@ pub struct LoadSplit {
     pub verify_ns: u64,
     pub copy_wait_ns: u64,
     pub copy_gpu_ns: u64,
+    /// The copies `copy_gpu_ns` sums (copies from the pinned file are timed only where
+    /// [`DeviceSlots::set_copy_timing`] asked for it).
+    pub copies_timed: u64,
 }
 
 // SAFETY: raw handles are used with the context bound; the pool serialises loads per slot.
@@ -248,7 +259,18 @@ impl DeviceSlots {
             fronts: Mutex::new(Vec::new()),
             batch: std::env::var_os("CHERENKOV_NO_COPY_BATCH").is_none(),
             hold_first: std::env::var_os("CHERENKOV_HOLD_FIRST_COPY").is_some(),
+            time_copies: std::env::var_os("CHERENKOV_TIME_COPIES").is_some(),
         })
+    }
+
+    /// Times each copy from the pinned file on the GPU from now on (set before the first copy):
+    /// a start event before it, and timing events around it, for [`LoadSplit::copy_gpu_ns`] and
+    /// [`DeviceSlots::copy_window`]. Off by default: with the copies timed a streamed step was
+    /// about 4% slower on the H200 (session 17: 300.7 tok/s against 313.7 at 16 layers, five
+    /// rounds alternating in one call; `benchmark/notes-cuda.md`). `CHERENKOV_TIME_COPIES=1` times
+    /// them everywhere (for measurements).
+    pub fn set_copy_timing(&mut self, on: bool) {
+        self.time_copies = on || std::env::var_os("CHERENKOV_TIME_COPIES").is_some();
     }
 
     /// Copies from the pinned file in two parts from now on: the first `front` bytes of a record
@@ -303,10 +325,11 @@ impl DeviceSlots {
 
     /// Queues the parts `take` gives for `slots` (each with whether it ends its record) as one
     /// batch on the copy stream, holding every slot's lock (in slot order) until it is queued, so
-    /// nothing waits on a slot's events before they are recorded: with `starts`, every slot's
-    /// start event before the batch; after it, the events `after` picks. Where the batch cannot be
-    /// queued, `restore` puts each part back and its slot back on `list`, so a reader of the slot
-    /// tries again (and meets the error) instead of reading it unwritten.
+    /// nothing waits on a slot's events before they are recorded: with `starts` (where copies are
+    /// timed), every slot's start event before the batch; after it, the events `after` picks.
+    /// Where the batch cannot be queued, `restore` puts each part back and its slot back on
+    /// `list`, so a reader of the slot tries again (and meets the error) instead of reading it
+    /// unwritten.
     fn queue_parts(
         &self,
         slots: &[usize],
@@ -316,6 +339,7 @@ impl DeviceSlots {
         after: impl Fn([sys::CUevent; 3], bool) -> Vec<sys::CUevent>,
         mut restore: impl FnMut(&mut SlotCopy, Part),
     ) -> Result<()> {
+        let starts = starts && self.time_copies;
         let mut order = slots.to_vec();
         order.sort_unstable();
         order.dedup();
@@ -423,9 +447,12 @@ impl DeviceSlots {
     }
 
     /// When the last copy into `slot` from the pinned file started and ended, in ms after `since`
-    /// (an event with timing on the compute stream); None where the slot has no copy events or the
-    /// copy has not finished.
+    /// (an event with timing on the compute stream); None where the slot has no copy events, the
+    /// copy has not finished or copies are not timed ([`DeviceSlots::set_copy_timing`]).
     pub fn copy_window(&self, slot: usize, since: &Event) -> Option<(f32, f32)> {
+        if !self.time_copies {
+            return None;
+        }
         let c = self.copies[slot].lock().unwrap();
         let [start, _, end] = c.events?;
         // SAFETY: events of this context; elapsed fails (None) unless both have completed.
@@ -469,9 +496,13 @@ impl DeviceSlots {
         // SAFETY: an event of this context.
         match unsafe { sys::cuEventQuery(end) } {
             sys::CUresult::CUDA_SUCCESS => {
-                // SAFETY: both events were recorded and have completed.
-                let ms = unsafe { cu::event::elapsed(start, end) }.unwrap_or(0.0);
-                self.split[5].fetch_add((ms as f64 * 1e6) as u64, Ordering::Relaxed);
+                if self.time_copies {
+                    // SAFETY: both events were recorded with timing and have completed.
+                    if let Ok(ms) = unsafe { cu::event::elapsed(start, end) } {
+                        self.split[5].fetch_add((ms as f64 * 1e6) as u64, Ordering::Relaxed);
+                        self.split[7].fetch_add(1, Ordering::Relaxed);
+                    }
+                }
                 c.pending = false;
                 Ok(false)
             }
@@ -588,6 +619,7 @@ impl DeviceSlots {
             verify_ns: g(2),
             copy_wait_ns: g(3),
             copy_gpu_ns: g(5),
+            copies_timed: g(7),
         }
     }
 
@@ -653,10 +685,12 @@ impl DeviceSlots {
         let [_, _, end] = match c.events {
             Some(e) => e,
             None => {
-                let event = || {
-                    cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
-                        .map_err(|e| anyhow!("cannot create a copy event: {e}"))
+                let flags = if self.time_copies {
+                    sys::CUevent_flags::CU_EVENT_DEFAULT
+                } else {
+                    sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
                 };
+                let event = || cu::event::create(flags).map_err(|e| anyhow!("cannot create a copy event: {e}"));
                 let e = [event()?, event()?, event()?];
                 c.events = Some(e);
                 e
@@ -702,9 +736,18 @@ impl DeviceSlots {
         };
         if !held {
             self.queue_fronts()?;
+            if BATCHING.get() != 0 && FIRST_COPY.get().is_none() {
+                FIRST_COPY.set(Some(Instant::now()));
+            }
         }
         Ok(())
     }
+}
+
+/// When this thread's last batch of loads began and queued its first copy (None where it queued
+/// none): the anatomy's split of a block's host turn.
+pub fn last_batch() -> (Option<Instant>, Option<Instant>) {
+    LAST_BATCH.get()
 }
 
 impl SlotMemory for DeviceSlots {
@@ -725,7 +768,10 @@ impl SlotMemory for DeviceSlots {
         BATCHING.set(0);
         self.gpu.bind()?;
         let queued = self.queue_fronts();
-        if let Some(t0) = BATCH_START.take() {
+        let start = BATCH_START.take();
+        let first = FIRST_COPY.take().or_else(|| Some(Instant::now()).filter(|_| queued.is_ok()));
+        LAST_BATCH.set((start, first));
+        if let Some(t0) = start {
             self.batch_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         }
         queued
@@ -771,6 +817,7 @@ impl SlotMemory for DeviceSlots {
             let gpu_ms = unsafe { cu::event::elapsed(staging.start, staging.end) }.unwrap_or(0.0);
             let ns = |a: Instant, b: Instant| b.duration_since(a).as_nanos() as u64;
             self.split[5].fetch_add((gpu_ms as f64 * 1e6) as u64, Ordering::Relaxed);
+            self.split[7].fetch_add(1, Ordering::Relaxed);
             self.split[0].fetch_add(1, Ordering::Relaxed);
             self.split[1].fetch_add(ns(t0, t1), Ordering::Relaxed);
             self.split[4].fetch_add(ns(t1, queued), Ordering::Relaxed);
