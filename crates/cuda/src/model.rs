@@ -1859,10 +1859,13 @@ impl CudaModel {
         };
         let turn_ns = awake.elapsed().as_nanos() as u64;
         let loads_ns = mem.batch_ns() - batch0;
+        // The host's turn step by step, where the anatomy is read (no clock reads otherwise).
+        let timed_turn = !st.untimed && self.anatomy;
         let since = |t: std::time::Instant| t.saturating_duration_since(awake).as_nanos() as u64;
+        let mark = || if timed_turn { since(std::time::Instant::now()) } else { 0 };
         let mut marks = [since(acquire_at), turn_ns, 0, 0, 0];
         let batch_marks = match crate::slots::last_batch() {
-            (Some(a), Some(b)) if background && a >= awake => Some([since(a), since(b)]),
+            (Some(a), Some(b)) if timed_turn && background && a >= awake => Some([since(a), since(b)]),
             _ => None,
         };
         // The misses' back parts (their down projections) behind every front (the lease queued the
@@ -1870,7 +1873,7 @@ impl CudaModel {
         if background {
             mem.queue_backs()?;
         }
-        marks[2] = since(std::time::Instant::now());
+        marks[2] = mark();
         if !cpu_ranks.is_empty() {
             let ids: Vec<usize> = cpu_ranks.iter().map(|&r| experts[r]).collect();
             self.pool.record_cpu_computed(l, &ids);
@@ -1897,7 +1900,7 @@ impl CudaModel {
         // SAFETY: the stream has passed this layer's previous use of its table rows (ev[0] follows
         // the previous step's end), so no copy reads them while they are written.
         unsafe { self.write_entries(mb, l, &lease, &gpu_ranks, &order, n_gpu, &cpu_ranks)? };
-        marks[3] = since(std::time::Instant::now());
+        marks[3] = mark();
         if !st.untimed && self.anatomy {
             st.blocks.push((l, order[hits..].iter().map(|&i| entries[i].slot).collect()));
             if hits < n_gpu {
@@ -1913,8 +1916,8 @@ impl CudaModel {
         for &i in &order[..hits] {
             mem.await_slot(entries[i].slot)?;
         }
-        marks[4] = since(std::time::Instant::now());
-        if !st.untimed && self.anatomy {
+        marks[4] = mark();
+        if timed_turn {
             (0..5).for_each(|i| st.host_marks[i] += marks[i]);
         }
         // (Events around them: they run while the copies do, so an event between kernels costs
