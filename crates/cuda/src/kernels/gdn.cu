@@ -108,28 +108,36 @@ extern "C" __global__ void gdn_recurrent(const float* qkv, const float* a, const
 // (2 * dk floats), then the partial sums (GDN_SPLIT * dv floats).
 #define GDN_SPLIT 4
 #define GDN_MAX_ROWS 32
-extern "C" __global__ void gdn_recurrent_split(const float* qkv, const float* a, const float* b, const float* A_log,
+extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_split(const float* qkv, const float* a, const float* b, const float* A_log,
                                                const float* dt_bias, float* S, float* out, int nk, int nv, int dk, int dv,
                                                const float* z, const float* norm_w, float eps, int act) {
     KSPAN;
-    grid_enter();
     extern __shared__ float sh[];
     const int hv = blockIdx.x;
+    const int j = threadIdx.x % dv, r = threadIdx.x / dv;
+    const int rows = dk / GDN_SPLIT, i0 = r * rows;
+    float* s = S + (size_t)hv * dk * dv + (size_t)i0 * dv + j;
+    // The state (written only by this kernel, a step earlier: the launch before this one has waited
+    // for everything before it) and the weights are read before waiting, so their loads overlap the
+    // input projection this launch waits for.
+    float col[GDN_MAX_ROWS];
+#pragma unroll
+    for (int t = 0; t < GDN_MAX_ROWS; t++) {
+        if (t < rows) col[t] = s[(size_t)t * dv];
+    }
+    const float a_log = A_log[hv], dt = dt_bias[hv];
+    grid_enter();
     const float* v = gdn_stage_qk(qkv, sh, hv, nk, nv, dk, dv);
     const float* sq = sh;
     const float* sk = sh + dk;
     float* part = sh + 2 * dk;
-    const int j = threadIdx.x % dv, r = threadIdx.x / dv;
-    const int rows = dk / GDN_SPLIT, i0 = r * rows;
     const float beta = sigmoidf_(b[hv]);
-    const float decay = expf(-expf(A_log[hv]) * softplusf_(a[hv] + dt_bias[hv]));
-    float* s = S + (size_t)hv * dk * dv + (size_t)i0 * dv + j;
-    float col[GDN_MAX_ROWS];
+    const float decay = expf(-expf(a_log) * softplusf_(a[hv] + dt));
     float kv = 0.0f;
 #pragma unroll
     for (int t = 0; t < GDN_MAX_ROWS; t++) {
         if (t < rows) {
-            col[t] = s[(size_t)t * dv] * decay;
+            col[t] *= decay;
             kv += col[t] * sk[i0 + t];
         }
     }

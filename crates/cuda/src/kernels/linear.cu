@@ -77,6 +77,41 @@ __device__ __forceinline__ void mv_out(const MvOut& o, int row, int rows, float 
     }
 }
 
+// Streams an injection loads at once (mv_out_rows); more streams take mv_out's loop.
+#define MV_HC_MAX 4
+
+// mv_out for the N rows row0.. (values v; rows past `rows` skipped). Injecting, every load (the
+// streams' logits, then each stream's rows) is issued before any store: as far as the compiler
+// knows, inj and xres may overlap, so mv_out's loop waits a round trip to L2 for each stream of each
+// row after the previous store (16 in a row for a tile of 4 rows, while the block waits at its
+// barrier). Same arithmetic as mv_out.
+template <int N>
+__device__ __forceinline__ void mv_out_rows(const MvOut& o, int row0, int rows, const float* v) {
+    if (!o.xres || o.hc > MV_HC_MAX) {
+#pragma unroll
+        for (int i = 0; i < N; i++) {
+            if (row0 + i < rows) mv_out(o, row0 + i, rows, v[i]);
+        }
+        return;
+    }
+    float c[MV_HC_MAX], xv[MV_HC_MAX][N];
+#pragma unroll
+    for (int s = 0; s < MV_HC_MAX; s++) c[s] = s < o.hc ? o.inj[s] : 0.0f;
+#pragma unroll
+    for (int s = 0; s < MV_HC_MAX; s++) {
+#pragma unroll
+        for (int i = 0; i < N; i++) xv[s][i] = s < o.hc && row0 + i < rows ? o.xres[(size_t)s * rows + row0 + i] : 0.0f;
+    }
+#pragma unroll
+    for (int s = 0; s < MV_HC_MAX; s++) {
+        const float g = 2.0f * sigmoidf_(c[s] / (float)o.hc);
+#pragma unroll
+        for (int i = 0; i < N; i++) {
+            if (s < o.hc && row0 + i < rows) o.xres[(size_t)s * rows + row0 + i] = xv[s][i] + g * v[i];
+        }
+    }
+}
+
 template <int BITS>
 __device__ __forceinline__ void matvec_affine(const u32* __restrict__ W, const u16* __restrict__ S,
                                               const u16* __restrict__ B, const float* __restrict__ x,
@@ -679,12 +714,7 @@ __device__ __forceinline__ void matvec_tiled(const u32* __restrict__ W, const u1
     const int C = cols / F::CPC, gpr = cols / gs, gshift = __ffs(gs) - 1;
     const MvMat a{(const uint4*)W, S, B};
     mv_core<BITS, MV_PLAIN, true>(a, a, x, in, rows, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,
-                            [&](int tile, const float* v) {
-#pragma unroll
-                                for (int i = 0; i < MV_R; i++) {
-                                    if (tile * MV_R + i < rows) mv_out(y, tile * MV_R + i, rows, v[i]);
-                                }
-                            });
+                            [&](int tile, const float* v) { mv_out_rows<MV_R>(y, tile * MV_R, rows, v); });
 }
 
 // ---- Several matrices of one input in one launch, columns optionally split across blocks. ----
@@ -707,6 +737,7 @@ __device__ __forceinline__ void matvec_tiled(const u32* __restrict__ W, const u1
 #define MV_SCRATCH_HEAD 64       // floats before the partial sums (the counters)
 #define MV_PART_FLOATS 16384     // partial sums per part (r_p k_p at most)
 #define MV_MAX_SLICES 32         // column slices per part at most (the sums of squares after the partial sums)
+#define MV_SUM_BATCH 4           // slices' partial sums the last block loads at once
 
 struct MvNorm {
     int group;
@@ -725,8 +756,34 @@ struct MvConv {
     int k;
 };
 
+// Kernel widths whose history mv_conv loads at once (the released shape's is 4); wider ones loop.
+#define MV_CONV_MAX 4
+
 __device__ __forceinline__ float mv_conv(const MvConv& cv, int ch, int C, float v) {
     const float* wk = cv.w + (size_t)ch * cv.k;
+    if (cv.k <= MV_CONV_MAX) {
+        // Every load before any store (state and w may overlap as far as the compiler knows, so
+        // the loop below waits a round trip for each load after each store); the same sums.
+        float st[MV_CONV_MAX], wv[MV_CONV_MAX];
+        const float wl = wk[cv.k - 1];
+#pragma unroll
+        for (int j = 0; j < MV_CONV_MAX; j++) {
+            wv[j] = j < cv.k - 1 ? wk[j] : 0.0f;
+            st[j] = j < cv.k - 1 ? cv.state[(size_t)j * C + ch] : 0.0f;
+        }
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < MV_CONV_MAX - 1; j++) {
+            if (j < cv.k - 1) acc += wv[j] * st[j];
+        }
+        acc += wl * v;
+#pragma unroll
+        for (int j = 0; j < MV_CONV_MAX - 1; j++) {
+            if (j + 1 < cv.k - 1) cv.state[(size_t)j * C + ch] = st[j + 1];
+        }
+        if (cv.k > 1) cv.state[(size_t)(cv.k - 2) * C + ch] = v;
+        return siluf_(acc);
+    }
     float acc = 0.0f;
     for (int j = 0; j < cv.k - 1; j++) acc += wk[j] * cv.state[(size_t)j * C + ch];
     acc += wk[cv.k - 1] * v;
@@ -798,7 +855,6 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
         __syncthreads();
         if (mv_last) {
             __threadfence();
-            const volatile float* vp = part;
             __shared__ float mv_scale[MV_MAX_SLICES];
             if (NORM && nrm.group > 0) {
                 // Slice k's group and that group's 1 / rms (its slices' sums in slice order).
@@ -814,12 +870,25 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
                 }
                 __syncthreads();
             }
+            // A row's slices are loaded MV_SUM_BATCH at a time, all in flight together (L2 only, as
+            // the other blocks wrote them), then added in slice order.
             for (int r = threadIdx.x; r < rows; r += blockDim.x) {
                 float s = 0.0f;
-                if (NORM && nrm.group > 0) {
-                    for (int k = 0; k < ks; k++) s += mv_scale[k] * vp[(size_t)k * rows + r];
-                } else {
-                    for (int k = 0; k < ks; k++) s += vp[(size_t)k * rows + r];
+                for (int k0 = 0; k0 < ks; k0 += MV_SUM_BATCH) {
+                    float v[MV_SUM_BATCH];
+#pragma unroll
+                    for (int i = 0; i < MV_SUM_BATCH; i++) v[i] = k0 + i < ks ? __ldcg(part + (size_t)(k0 + i) * rows + r) : 0.0f;
+                    if (NORM && nrm.group > 0) {
+#pragma unroll
+                        for (int i = 0; i < MV_SUM_BATCH; i++) {
+                            if (k0 + i < ks) s += mv_scale[k0 + i] * v[i];
+                        }
+                    } else {
+#pragma unroll
+                        for (int i = 0; i < MV_SUM_BATCH; i++) {
+                            if (k0 + i < ks) s += v[i];
+                        }
+                    }
                 }
                 y[r] = s;
             }

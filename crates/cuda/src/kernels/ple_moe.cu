@@ -283,6 +283,10 @@ EXPERT_KERNELS_TILED(8, 3)
 // like the CPU) + sigmoid(shared_gate) * shared[j]. With `x` (may be null) it also injects y into
 // the hc residual streams, as hc_inject does: x[s*H+j] += 2 sigmoid(inj[s] / hc) * y[j]. With
 // `stamp`, the time it started (the end of the expert kernels before it).
+// Its loads go out together, a batch of ranks at a time, and the streams' before any store: a loop
+// that loads each rank's entry, then its row, and each stream after the previous one's store,
+// waits a round trip to L2 for each (about 25 in a row at top-10 and 4 streams).
+#define COMBINE_BATCH 8
 extern "C" __global__ void moe_combine(const float* out, const int* entry, const float* w, int k, const float* shared,
                                        const float* shared_gate, float* y, int H, float* x, const float* inj, int hc,
                                        u64* stamp) {
@@ -291,12 +295,40 @@ extern "C" __global__ void moe_combine(const float* out, const int* entry, const
     stamp_first(stamp);
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= H) return;
+    const float sg = shared_gate[0], sh = shared[j];
+    const bool streams = x && hc <= MV_HC_MAX;
+    float c[MV_HC_MAX], xv[MV_HC_MAX];
+#pragma unroll
+    for (int s = 0; s < MV_HC_MAX; s++) {
+        c[s] = streams && s < hc ? inj[s] : 0.0f;
+        xv[s] = streams && s < hc ? x[(size_t)s * H + j] : 0.0f;
+    }
     float acc = 0.0f;
-    for (int r = 0; r < k; r++) acc += w[r] * out[(size_t)entry[r] * H + j];
-    const float v = acc + sigmoidf_(shared_gate[0]) * shared[j];
+    for (int r0 = 0; r0 < k; r0 += COMBINE_BATCH) {
+        int e[COMBINE_BATCH];
+        float wr[COMBINE_BATCH], o[COMBINE_BATCH];
+#pragma unroll
+        for (int i = 0; i < COMBINE_BATCH; i++) {
+            e[i] = r0 + i < k ? entry[r0 + i] : 0;
+            wr[i] = r0 + i < k ? w[r0 + i] : 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < COMBINE_BATCH; i++) o[i] = r0 + i < k ? out[(size_t)e[i] * H + j] : 0.0f;
+#pragma unroll
+        for (int i = 0; i < COMBINE_BATCH; i++) {
+            if (r0 + i < k) acc += wr[i] * o[i];
+        }
+    }
+    const float v = acc + sigmoidf_(sg) * sh;
     y[j] = v;
-    if (x)
+    if (streams) {
+#pragma unroll
+        for (int s = 0; s < MV_HC_MAX; s++) {
+            if (s < hc) x[(size_t)s * H + j] = xv[s] + 2.0f * sigmoidf_(c[s] / (float)hc) * v;
+        }
+    } else if (x) {
         for (int s = 0; s < hc; s++) x[(size_t)s * H + j] += 2.0f * sigmoidf_(inj[s] / (float)hc) * v;
+    }
 }
 
 // Sampling support: the k largest logits (k <= 1024) of one row, in descending order (ties to the
