@@ -39,13 +39,16 @@ extern "C" __global__ void ple_conv(const float* gn, const float* gated, float* 
 
 // Router: top-k of v = logits + bias (bias may be null; see model_w below) by v, ties to the lower
 // id; weights are the softmax of v at the chosen experts, renormalised over them when `norm`. One
-// block, one thread per expert (E <= 1024, k <= ROUTE_MAX_K), and no serial rounds: the k-th
-// largest value is found by a bitwise search over order-preserving keys (32 block-wide counts),
-// the experts above it and the lowest-id ties at it are the chosen ones, and each finds its rank
-// among the k by comparing with the others. Writes ids[k] and weights[k] in descending weight, the
-// ids also to `ids_host` (mapped host memory, may be null). With `map` (one address-table entry per
-// expert, the layer's resident experts; may be null) it also writes the step's address table, in
-// rank order, and rank_entry[r] = r: every chosen expert must be resident then.
+// block, one thread per expert (E <= 1024, k <= ROUTE_MAX_K), five barriers and no serial rounds:
+// the softmax's sums go warp by warp through shared memory; every chosen key is at least the k-th
+// largest of the warps' largest keys (k warps hold one that large), so the keys at or above it
+// (usually a few more than k) are packed in shared memory and each finds its rank among them by
+// comparing with the others. (Session 13's bitwise search for the k-th key took 32 block-wide
+// counts and about 1 us more per launch: benchmark/notes-cuda.md, "Session 18".) Writes ids[k] and
+// weights[k] in descending weight, the ids also to `ids_host` (mapped host memory, may be null).
+// With `map` (one address-table entry per expert, the layer's resident experts; may be null) it
+// also writes the step's address table, in rank order, and rank_entry[r] = r: every chosen expert
+// must be resident then.
 #define ROUTE_MAX_K 64
 
 // Warp argmax of (v, i): largest v, ties to the lower i; every lane gets the result.
@@ -75,59 +78,98 @@ extern "C" __global__ void route_topk(const float* logits, const float* bias, fl
     // kernel (it may be host memory mapped for the device): read before waiting for the logits.
     const float b = bias && (int)threadIdx.x < E ? bias[threadIdx.x] : 0.0f;
     grid_enter();
-    __shared__ float scratch[32];
-    __shared__ int warp_ties[32];
-    __shared__ u32 chosen_key[ROUTE_MAX_K];
-    __shared__ int chosen_id[ROUTE_MAX_K];
+    __shared__ float2 r_stats[32];
+    __shared__ float r_max[32], r_sum[32];
+    __shared__ u32 r_wmax[32];
+    __shared__ int r_count[32];
+    __shared__ u32 cand_key[1024];
+    __shared__ int cand_id[1024];
     __shared__ float chosen_p[ROUTE_MAX_K];
-    __shared__ int n_chosen;
-    const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
+    const int e = threadIdx.x, lane = e & 31, warp = e >> 5, nw = blockDim.x >> 5;
     const bool valid = e < E;
     const float l = valid ? logits[e] : 0.0f;
     // With a bias (synthetic routers), the logits count as model_w times their standard score
     // (engine::routing); the mean drops out of softmax and top-k.
     float scale = 1.0f;
     if (bias) {
-        const float s1 = block_sum(l, scratch), s2 = block_sum(l * l, scratch);
+        float s1 = l, s2 = l * l;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+            s2 += __shfl_xor_sync(0xffffffffu, s2, o);
+        }
+        if (lane == 0) r_stats[warp] = make_float2(s1, s2);
+        __syncthreads();
+        s1 = 0.0f;
+        s2 = 0.0f;
+        for (int w = 0; w < nw; w++) {
+            s1 += r_stats[w].x;
+            s2 += r_stats[w].y;
+        }
         const float mean = s1 / (float)E, var = fmaxf(s2 / (float)E - mean * mean, 0.0f);
         scale = var > 0.0f ? model_w * rsqrtf(var) : 0.0f;
     }
     const float v = valid ? scale * l + b : NEG_INF;
-    const float m = block_max(v, scratch);
-    const float sum = block_sum(valid ? expf(v - m) : 0.0f, scratch);
-    if (e == 0) n_chosen = 0;
-    // The k-th largest key: the largest T with at least k keys >= T, bit by bit from the top.
     const u32 key = valid ? route_key(v) : 0u;
-    u32 T = 0;
-    for (int b = 31; b >= 0; b--) {
-        const u32 cand = T | (1u << b);
-        if (__syncthreads_count(key >= cand) >= k) T = cand;
-    }
-    // Above T: chosen. At T: the lowest ids, as many as are missing.
-    const int above = __syncthreads_count(valid && key > T);
-    const bool tie = valid && key == T;
-    const u32 ties = __ballot_sync(0xffffffffu, tie);
-    if (lane == 0) warp_ties[warp] = __popc(ties);
-    __syncthreads();
-    int before = __popc(ties & ((1u << lane) - 1u));
-    for (int w = 0; w < warp; w++) before += warp_ties[w];
-    const bool chosen = (valid && key > T) || (tie && before < k - above);
-    if (chosen) {
-        const int slot = atomicAdd(&n_chosen, 1);
-        chosen_key[slot] = key;
-        chosen_id[slot] = e;
+    float m = warp_max(v);
+    const u32 wmax = __reduce_max_sync(0xffffffffu, key);
+    if (lane == 0) {
+        r_max[warp] = m;
+        r_wmax[warp] = wmax;
     }
     __syncthreads();
-    if (chosen) {
+    m = r_max[0];
+    for (int w = 1; w < nw; w++) m = fmaxf(m, r_max[w]);
+    const float s = warp_sum(valid ? expf(v - m) : 0.0f);
+    if (lane == 0) r_sum[warp] = s;
+    // A threshold every chosen key reaches: the k-th largest of the warps' largest keys (k warps
+    // hold a key at least that large), or 1 (every expert) where k exceeds the warps. Lane i of
+    // each warp ranks warp i's largest key among them (ties to the lower warp).
+    u32 tau = 1u;
+    if (k <= nw) {
+        const u32 mine = lane < nw ? r_wmax[lane] : 0u;
         int rank = 0;
-        for (int i = 0; i < k; i++)
-            rank += chosen_key[i] > key || (chosen_key[i] == key && chosen_id[i] < e);
-        chosen_p[rank] = expf(v - m) / sum;
-        ids[rank] = e;
-        if (ids_host) ids_host[rank] = e;
-        if (map) {
-            table[rank] = map[e];
-            rank_entry[rank] = rank;
+        for (int j = 0; j < nw; j++) {
+            const u32 o = r_wmax[j];
+            rank += o > mine || (o == mine && j < lane);
+        }
+        const u32 hit = __ballot_sync(0xffffffffu, lane < nw && rank == k - 1);
+        tau = __shfl_sync(0xffffffffu, mine, __ffs(hit) - 1);
+    }
+    // The candidates (keys at or above the threshold, usually a few more than k) packed in
+    // shared memory; each finds its rank among them (ties to the lower id), which is its rank among
+    // all the keys, since every other key is below the threshold.
+    const bool cand = valid && key >= tau;
+    const u32 cb = __ballot_sync(0xffffffffu, cand);
+    if (lane == 0) r_count[warp] = __popc(cb);
+    __syncthreads();
+    float sum = 0.0f;
+    int before = 0, nc = 0;
+    for (int w = 0; w < nw; w++) {
+        sum += r_sum[w];
+        before += w < warp ? r_count[w] : 0;
+        nc += r_count[w];
+    }
+    if (cand) {
+        const int slot = before + __popc(cb & ((1u << lane) - 1u));
+        cand_key[slot] = key;
+        cand_id[slot] = e;
+    }
+    __syncthreads();
+    if (cand) {
+        int rank = 0;
+        for (int i = 0; i < nc; i++) {
+            const u32 o = cand_key[i];
+            rank += o > key || (o == key && cand_id[i] < e);
+        }
+        if (rank < k) {
+            chosen_p[rank] = expf(v - m) / sum;
+            ids[rank] = e;
+            if (ids_host) ids_host[rank] = e;
+            if (map) {
+                table[rank] = map[e];
+                rank_entry[rank] = rank;
+            }
         }
     }
     __syncthreads();
