@@ -520,10 +520,16 @@ __device__ __forceinline__ void mv_prefetch(const MvMat& a, const MvMat& bm, int
 // first step's weights first and then waits, so with programmatic dependent launch a block that is
 // scheduled before the previous kernel ends has its first weights in flight meanwhile. Only for
 // weights no earlier work writes (the dense matrices, uploaded at load; not expert slots).
-template <int BITS, int MODE, bool EARLY = false, bool INT = true, class Emit>
+// PRE: called once, before the wait where EARLY, with the first tile this thread will hand to emit
+// (-1 if none), so a caller may load what its emit reads and no earlier kernel writes.
+struct MvNoPre {
+    __device__ void operator()(int) const {}
+};
+
+template <int BITS, int MODE, bool EARLY = false, bool INT = true, class Emit, class Pre = MvNoPre>
 __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const float* __restrict__ x, const MvIn in,
                                         int rows, int C, int Cs, int gpr, int gshift, int L, int blk, int nblk,
-                                        Emit emit, float* ssq = nullptr) {
+                                        Emit emit, float* ssq = nullptr, Pre pre = Pre{}) {
     typedef MvFmt<BITS> F;
     extern __shared__ float4 mv_smem[];
     __shared__ float red[32][MV_R];
@@ -572,6 +578,10 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
             }
         }
 #endif
+    }
+    {
+        int first = L <= 32 ? (lt == 0 ? unit * tpu + sub : -1) : (t < tpu ? unit * tpu + t : -1);
+        pre(first < ntiles ? first : -1);
     }
     if constexpr (EARLY) grid_enter();
     constexpr bool DP4A = BITS == 4 && MV_DP4A && INT;
@@ -965,17 +975,37 @@ __device__ __forceinline__ void hc_up_mix_impl(const u32* W, const u16* S, const
 #else
     constexpr bool INT = true;
 #endif
+    // The residual (written two launches earlier: the launch before this one has waited for it) and
+    // the norm weight of the thread's first tile are loaded before the wait (`HC_NO_PRELOAD`: in
+    // the epilogue, as before session 18).
+    float pxr[MV_R], pw[MV_R];
+    int pt = -1;
+    auto pre = [&](int t) {
+#ifndef HC_NO_PRELOAD
+        if (inv && t >= 0) {
+            pt = t;
+#pragma unroll
+            for (int s = 0; s < MV_R; s++) {
+                pxr[s] = xr[(size_t)s * H + t];
+                pw[s] = w[(size_t)s * H + t];
+            }
+        }
+#endif
+    };
     mv_core<BITS, MV_STREAMS, true, INT>(a, a, x, in, H, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,
                               [&](int t, const float* v) {
+                                  const bool held = t == pt;
                                   float acc = 0.0f;
 #pragma unroll
                                   for (int s = 0; s < MV_R; s++) {
                                       const size_t i = (size_t)s * H + t;
-                                      const float n = inv ? xr[i] * inv[s] * (1.0f + w[i]) : normed[i];
+                                      const float n = inv ? (held ? pxr[s] : xr[i]) * inv[s] * (1.0f + (held ? pw[s] : w[i]))
+                                                          : normed[i];
                                       acc += sigmoidf_(v[s]) * n;
                                   }
                                   out[t] = acc / (float)MV_R;
-                              });
+                              },
+                              nullptr, pre);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2)

@@ -259,16 +259,28 @@ __device__ __forceinline__ void expert_gate_up_tiled(const u64* table, int first
                               });
 }
 
+// The down projection requests its first weights before it waits for the gate/up kernel (mv_core's
+// EARLY): its table entries were written before that kernel (by the router, or uploaded), its
+// records are in place before the launch (resident, or the stream waited for their copies), and
+// the launch before it has waited for all of that. `EXPERT_DOWN_LATE`: after the wait, as before
+// session 18.
+#ifdef EXPERT_DOWN_LATE
+#define EXPERT_DOWN_EARLY false
+#else
+#define EXPERT_DOWN_EARLY true
+#endif
 template <int BITS>
 __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, const float* act, float* out, int I,
                                                   int H, int gs, int L, u64 d_w, u64 d_s, u64 d_b) {
     typedef MvFmt<BITS> F;
+    if constexpr (!EXPERT_DOWN_EARLY) grid_enter();
     const int e = first + blockIdx.y;
     const u8* rec = (const u8*)(table[e] & ~TAG_MASK);
     const int C = I / F::CPC, gpr = I / gs, gshift = __ffs(gs) - 1;
     const MvMat d{(const uint4*)(rec + d_w), (const u16*)(rec + d_s), (const u16*)(rec + d_b)};
     float* y = out + (size_t)e * H;
-    mv_core<BITS, MV_PLAIN>(d, d, act + (size_t)e * I, MV_IN_NONE, H, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,
+    mv_core<BITS, MV_PLAIN, EXPERT_DOWN_EARLY>(d, d, act + (size_t)e * I, MV_IN_NONE, H, C, C, gpr, gshift, L,
+                                               blockIdx.x, gridDim.x,
                             [&](int tile, const float* v) {
 #pragma unroll
                                 for (int i = 0; i < MV_R; i++) {
@@ -307,10 +319,10 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                          \
         expert_down_q##B(const u64* table, int first, const float* act, float* out, int I, int H, int gs, int rpb,   \
                          u64 d_w, u64 d_s, u64 d_b) { KSPAN;                                                          \
-        grid_enter();                                                                                                 \
         if (rpb & MV_TILED) {                                                                                         \
             expert_down_tiled<B>(table, first, act, out, I, H, gs, rpb & (MV_TILED - 1), d_w, d_s, d_b);             \
         } else {                                                                                                      \
+            grid_enter();                                                                                             \
             expert_down<B>(table, first, act, out, I, H, gs, rpb, d_w, d_s, d_b);                                     \
         }                                                                                                             \
     }
