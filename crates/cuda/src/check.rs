@@ -16,7 +16,7 @@ use cherenkov_model::dtype::f32_to_bf16;
 use cherenkov_model::quant::{Affine, quantize_matrix};
 use cherenkov_model::store::Precision;
 
-use crate::gpu::Gpu;
+use crate::gpu::{Arg, Gpu};
 use crate::model::CudaModel;
 use crate::session::MixerState;
 use crate::weights::MatvecOutput;
@@ -119,6 +119,7 @@ pub fn linear_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
     rows.extend(tiled_checks(gpu, rng)?);
     rows.extend(input_checks(gpu, rng)?);
     rows.extend(inject_checks(gpu, rng)?);
+    rows.extend(route_checks(gpu, rng)?);
     for dtype in [DType::BF16, DType::F16, DType::F32] {
         let w = rng.normal(r * cols, 0.05);
         let data: Vec<u8> = match dtype {
@@ -285,6 +286,77 @@ fn inject_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
             rel_err: rel_err(&got, &want_res),
             limit: LINEAR_LIMIT,
         });
+    }
+    Ok(rows)
+}
+
+/// `route_topk` alone against the host's routing ([`cherenkov_engine::routing::top_k`], renormalised)
+/// at widths the models' blocks do not reach (their stores have 32 experts): the released 512 experts
+/// top-10, where the kernel's threshold comes from its warps' largest keys, 1024 top-32 (as many
+/// warps as k), and 1000 top-40 (k above the warps: every expert a candidate), each with random
+/// logits and with logits rounded to steps of 0.5 (many ties; every 9th -inf). The chosen ids, the
+/// address table written from a map and the rank entries must be the host's exactly.
+fn route_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
+    let mut rows = Vec::new();
+    for (e, k) in [(512usize, 10usize), (1024, 32), (1000, 40)] {
+        for tied in [false, true] {
+            let mut logits = rng.normal(e, 2.0);
+            if tied {
+                for (i, v) in logits.iter_mut().enumerate() {
+                    *v = if i % 9 == 4 { f32::NEG_INFINITY } else { (*v * 2.0).round() / 2.0 + 0.0 };
+                }
+            }
+            let want = cherenkov_engine::routing::top_k(&logits, None, k, true);
+            let map: Vec<u64> = (0..e as u64).map(|i| 0x1000 + 8 * i).collect();
+            let (dl, dmap) = (gpu.alloc(e * 4, "check logits")?, gpu.alloc(e * 8, "check map")?);
+            let (dids, dw) = (gpu.alloc(k * 4, "check ids")?, gpu.alloc(k * 4, "check weights")?);
+            let (dtable, dranks) = (gpu.alloc(k * 8, "check table")?, gpu.alloc(k * 4, "check ranks")?);
+            gpu.htod(dl.ptr, &logits)?;
+            gpu.htod(dmap.ptr, &map)?;
+            gpu.launch(
+                "route_topk",
+                (1, 1, 1),
+                e.next_multiple_of(32) as u32,
+                0,
+                &[
+                    Arg::Ptr(dl.ptr),
+                    Arg::Ptr(0),
+                    Arg::F32(1.0),
+                    Arg::I32(e as i32),
+                    Arg::I32(k as i32),
+                    Arg::I32(1),
+                    Arg::Ptr(dids.ptr),
+                    Arg::Ptr(dw.ptr),
+                    Arg::Ptr(0),
+                    Arg::Ptr(dmap.ptr),
+                    Arg::Ptr(dtable.ptr),
+                    Arg::Ptr(dranks.ptr),
+                ],
+            )?;
+            let (mut ids, mut w, mut table, mut ranks) = (vec![0i32; k], vec![0f32; k], vec![0u64; k], vec![0i32; k]);
+            gpu.dtoh(dids.ptr, &mut ids)?;
+            gpu.dtoh(dw.ptr, &mut w)?;
+            gpu.dtoh(dtable.ptr, &mut table)?;
+            gpu.dtoh(dranks.ptr, &mut ranks)?;
+            let wrong = (0..k)
+                .filter(|&r| {
+                    let id = want[r].0;
+                    ids[r] != id as i32 || table[r] != map[id] || ranks[r] != r as i32
+                })
+                .count();
+            let what = if tied { ", tied" } else { "" };
+            rows.push(CheckRow {
+                name: format!("route_topk {e} experts top-{k}{what} (fraction not the host's choice)"),
+                rel_err: wrong as f64 / k as f64,
+                limit: 0.0,
+            });
+            let want_w: Vec<f32> = want.iter().map(|x| x.1).collect();
+            rows.push(CheckRow {
+                name: format!("route_topk {e} experts top-{k}{what}: weights"),
+                rel_err: rel_err(&w, &want_w),
+                limit: LINEAR_LIMIT,
+            });
+        }
     }
     Ok(rows)
 }
