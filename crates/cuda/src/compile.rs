@@ -116,6 +116,12 @@ pub fn compile(arch: &'static str) -> Result<String> {
     compile_with(arch, &[])
 }
 
+/// NVRTC options for `CHERENKOV_KERNEL_DEFINES`: names (or NAME=value) separated by spaces or commas
+/// (tools/gpu/ab.sh passes them as one word).
+fn define_options(defs: &str) -> Vec<String> {
+    defs.split(|c: char| c.is_whitespace() || c == ',').filter(|d| !d.is_empty()).map(|d| format!("-D{d}")).collect()
+}
+
 /// Compiles the kernels with names `defines` defined, besides those of `CHERENKOV_KERNEL_DEFINES`
 /// (`TIMELINE` for the kernel timeline: `Gpu::new`).
 pub fn compile_with(arch: &'static str, defines: &[&str]) -> Result<String> {
@@ -126,9 +132,9 @@ pub fn compile_with(arch: &'static str, defines: &[&str]) -> Result<String> {
         );
     }
     let mut options = vec!["--std=c++17".to_string(), "-default-device".into()];
-    // Kernel variants for measurements (e.g. CHERENKOV_NO_MATVEC_PREFETCH): names to define.
+    // Kernel variants for measurements (e.g. MV_NO_DP4A).
     if let Ok(defs) = std::env::var("CHERENKOV_KERNEL_DEFINES") {
-        options.extend(defs.split_whitespace().map(|d| format!("-D{d}")));
+        options.extend(define_options(&defs));
     }
     options.extend(defines.iter().map(|d| format!("-D{d}")));
     let opts = cudarc::nvrtc::CompileOptions {
@@ -172,4 +178,16 @@ pub fn arch_name(major: i32, minor: i32) -> Result<&'static str> {
                 .context("choosing the kernels' architecture");
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_defines_split_on_spaces_and_commas() {
+        assert_eq!(define_options("A B"), ["-DA", "-DB"]);
+        assert_eq!(define_options("A,B=8 , C"), ["-DA", "-DB=8", "-DC"]);
+        assert!(define_options(" , ").is_empty());
+    }
 }

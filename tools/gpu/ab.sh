@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Alternating A/B rounds of `cherenkov bench --quick` on the GPU machine (carry the binaries as for
+# tools/gpu/bench.sh), one case at a time, so that builds or settings are compared on one host:
+#
+#   tools/gpu/ab.sh [-r ROUNDS] [-c resident|pinned] [-l LAYERS] NAME[:SETTINGS] ...
+#
+# Each variant is a name and, after a colon, space-separated VAR=value settings for its runs, for
+# example `new` `old:BIN=.carry/cherenkov-base` `late:CHERENKOV_KERNEL_DEFINES=HC_NO_PRELOAD,EXPERT_DOWN_LATE`
+# (kernel defines are separated by commas there). A first run of the first variant warms the store
+# and is not counted; then ROUNDS (default 3) rounds of every variant in turn. Prints each run's
+# tok/s at LAYERS (default 16) and each variant's mean, and writes the runs under $OUT (default
+# ab-out). Single runs spread by about 5% (benchmark/notes-cuda.md): read means over rounds, and a
+# kernel timeline (tools/gpu/timeline_kernels.py) for a kernel's own change.
+set -euo pipefail
+ROUNDS=3
+CASE=resident
+LAYERS=16
+while getopts r:c:l: o; do
+  case $o in
+    r) ROUNDS=$OPTARG ;;
+    c) CASE=$OPTARG ;;
+    l) LAYERS=$OPTARG ;;
+    *) sed -n '2,14p' "$0"; exit 2 ;;
+  esac
+done
+shift $((OPTIND - 1))
+[ $# -ge 1 ] || { sed -n '2,14p' "$0"; exit 2; }
+case $CASE in
+  resident) knobs="CHERENKOV_BENCH_RESIDENT_ONLY=1"; row="all experts resident" ;;
+  pinned) knobs="CHERENKOV_BENCH_PINNED_ONLY=1 CHERENKOV_BENCH_NO_ANATOMY=1"; row="21G budget, page cache warm, expert file pinned" ;;
+  *) echo "ab.sh: -c takes resident or pinned, not $CASE" >&2; exit 2 ;;
+esac
+OUTDIR=${OUT:-ab-out}
+mkdir -p "$OUTDIR"
+: > "$OUTDIR/rates.txt"
+run() { # name settings dir
+  local dir=$3
+  mkdir -p "$dir"
+  # shellcheck disable=SC2086 # the settings are words on purpose
+  if ! env $knobs $2 OUT="$dir" tools/gpu/bench.sh --quick --layers "$LAYERS" --tokens 128 --no-peer > "$dir/log.txt" 2>&1; then
+    echo "ab.sh: variant $1 failed; its log: $dir/log.txt" >&2
+    tail -5 "$dir/log.txt" >&2
+    return 1
+  fi
+  grep "^| $row |" "$dir"/bench-*-quick.md | cut -d'|' -f3 | tr -d ' '
+}
+first=$1
+run "${first%%:*}" "$([ "${first#*:}" != "$first" ] && echo "${first#*:}")" "$OUTDIR/warm-up" > /dev/null
+for r in $(seq "$ROUNDS"); do
+  for v in "$@"; do
+    name=${v%%:*}
+    settings=""
+    [ "$name" != "$v" ] && settings=${v#*:}
+    tok=$(run "$name" "$settings" "$OUTDIR/$name-$r")
+    echo "round $r  $name  $tok tok/s ($CASE, $LAYERS layers)"
+    echo "$name $tok" >> "$OUTDIR/rates.txt"
+  done
+done
+awk '{s[$1] += $2; n[$1]++; if (!($1 in o)) o[$1] = NR} END {for (k in s) printf "%d %s\n", o[k], k}' "$OUTDIR/rates.txt" \
+  | sort -n | while read -r _ name; do
+    awk -v k="$name" '$1 == k {s += $2; n++; v = v " " $2} END {printf "%-12s mean %.1f over %d:%s\n", k, s / n, n, v}' "$OUTDIR/rates.txt"
+  done
