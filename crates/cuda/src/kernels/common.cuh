@@ -149,22 +149,6 @@ __device__ float block_sum(float v, float* scratch) {
     return r;
 }
 
-__device__ float block_max(float v, float* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    const int nw = (blockDim.x + 31) >> 5;
-    v = (threadIdx.x < nw) ? scratch[threadIdx.x] : NEG_INF;
-    if (warp == 0) v = warp_max(v);
-    if (threadIdx.x == 0) scratch[0] = v;
-    __syncthreads();
-    const float r = scratch[0];
-    __syncthreads();
-    return r;
-}
-
 // Code j of a packed affine row (LSB-first bit stream of u32 words), any width.
 __device__ __forceinline__ u32 get_code(const u32* w, int j, int bits) {
     const int bit = j * bits, wi = bit >> 5, sh = bit & 31;

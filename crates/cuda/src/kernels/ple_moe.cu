@@ -39,7 +39,7 @@ extern "C" __global__ void ple_conv(const float* gn, const float* gated, float* 
 
 // Router: top-k of v = logits + bias (bias may be null; see model_w below) by v, ties to the lower
 // id; weights are the softmax of v at the chosen experts, renormalised over them when `norm`. One
-// block, one thread per expert (E <= 1024, k <= ROUTE_MAX_K), five barriers and no serial rounds:
+// block, one thread per expert (E <= ROUTE_MAX_E, k <= ROUTE_MAX_K), five barriers and no serial rounds:
 // the softmax's sums go warp by warp through shared memory; every chosen key is at least the k-th
 // largest of the warps' largest keys (k warps hold one that large), so the keys at or above it
 // (usually a few more than k) are packed in shared memory and each finds its rank among them by
@@ -50,6 +50,7 @@ extern "C" __global__ void ple_conv(const float* gn, const float* gated, float* 
 // also writes the step's address table, in rank order, and rank_entry[r] = r: every chosen expert
 // must be resident then.
 #define ROUTE_MAX_K 64
+#define ROUTE_MAX_E 1024  // experts at most (one thread each; CudaModel checks it at load)
 
 // Warp argmax of (v, i): largest v, ties to the lower i; every lane gets the result.
 __device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
@@ -82,8 +83,8 @@ extern "C" __global__ void route_topk(const float* logits, const float* bias, fl
     __shared__ float r_max[32], r_sum[32];
     __shared__ u32 r_wmax[32];
     __shared__ int r_count[32];
-    __shared__ u32 cand_key[1024];
-    __shared__ int cand_id[1024];
+    __shared__ u32 cand_key[ROUTE_MAX_E];
+    __shared__ int cand_id[ROUTE_MAX_E];
     __shared__ float chosen_p[ROUTE_MAX_K];
     const int e = threadIdx.x, lane = e & 31, warp = e >> 5, nw = blockDim.x >> 5;
     const bool valid = e < E;
