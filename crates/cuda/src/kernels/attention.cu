@@ -158,6 +158,11 @@ extern "C" __global__ void attn_prep(const float* qg, float* q, float* gate, con
 // out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M = max m_s.
 #define ATTEND_R 8
 #define ATTEND_U 4
+// Splits whose rows the merging warp loads at once (CHERENKOV_KERNEL_DEFINES=ATTEND_MERGE=1: one at a
+// time, as before session 18).
+#ifndef ATTEND_MERGE
+#define ATTEND_MERGE 8
+#endif
 extern "C" __global__ void attend(const float* __restrict__ q, const float* __restrict__ kc,
                                   const float* __restrict__ vc, const int* __restrict__ idx, int n,
                                   const int* step, float* part, int* count, float* out, int heads, int kv_heads,
@@ -181,10 +186,23 @@ extern "C" __global__ void attend(const float* __restrict__ q, const float* __re
     for (int i = lo; i < hi; i += ATTEND_U) {
         int t[ATTEND_U];
         float sc[ATTEND_U];
+#ifndef ATTEND_V_LATE
+        // The tokens' values are loaded with their keys (they do not depend on the scores), so the
+        // four tokens cost one round trip to L2 instead of two (`ATTEND_V_LATE`: after the scores).
+        float vv[ATTEND_U][ATTEND_R];
+#endif
 #pragma unroll
         for (int u = 0; u < ATTEND_U; u++) {
             t[u] = i + u < hi ? (idx ? idx[i + u] : i + u) : -1;
             const float* k = kc + ((size_t)max(t[u], 0) * kv_heads + hk) * d;
+#ifndef ATTEND_V_LATE
+            const float* v = vc + ((size_t)max(t[u], 0) * kv_heads + hk) * d;
+#pragma unroll
+            for (int r = 0; r < ATTEND_R; r++) {
+                const int j = lane + 32 * r;
+                vv[u][r] = j < d ? __ldg(v + j) : 0.0f;
+            }
+#endif
             float p = 0.0f;
 #pragma unroll
             for (int r = 0; r < ATTEND_R; r++) {
@@ -208,11 +226,17 @@ extern "C" __global__ void attend(const float* __restrict__ q, const float* __re
             if (t[u] < 0) continue;
             const float p = expf(sc[u] - mn);
             l += p;
+#ifdef ATTEND_V_LATE
             const float* v = vc + ((size_t)t[u] * kv_heads + hk) * d;
+#endif
 #pragma unroll
             for (int r = 0; r < ATTEND_R; r++) {
                 const int j = lane + 32 * r;
+#ifdef ATTEND_V_LATE
                 if (j < d) acc[r] = fmaf(p, __ldg(v + j), acc[r]);
+#else
+                if (j < d) acc[r] = fmaf(p, vv[u][r], acc[r]);
+#endif
             }
         }
         m = mn;
@@ -247,14 +271,29 @@ extern "C" __global__ void attend(const float* __restrict__ q, const float* __re
     float o[ATTEND_R];
 #pragma unroll
     for (int r = 0; r < ATTEND_R; r++) o[r] = 0.0f;
-    for (int k = 0; k < S; k++) {
-        const float w = __shfl_sync(0xffffffffu, ws, k);
-        if (w == 0.0f) continue;
-        const float* a = hp + (size_t)k * (d + 2);
+    // ATTEND_MERGE splits' rows are loaded at once, then added in split order: a loop that loads
+    // one split's row and adds it before loading the next waits a round trip to L2 per split (32
+    // in a row).
+    for (int k0 = 0; k0 < S; k0 += ATTEND_MERGE) {
+        float a[ATTEND_MERGE][ATTEND_R];
 #pragma unroll
-        for (int r = 0; r < ATTEND_R; r++) {
-            const int j = lane + 32 * r;
-            if (j < d) o[r] = fmaf(w, __ldcg(a + j), o[r]);
+        for (int b = 0; b < ATTEND_MERGE; b++) {
+            const float* row = hp + (size_t)(k0 + b) * (d + 2);
+#pragma unroll
+            for (int r = 0; r < ATTEND_R; r++) {
+                const int j = lane + 32 * r;
+                a[b][r] = k0 + b < S && j < d ? __ldcg(row + j) : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < ATTEND_MERGE; b++) {
+            const float w = __shfl_sync(0xffffffffu, ws, (k0 + b) & 31);
+            if (k0 + b >= S || w == 0.0f) continue;
+#pragma unroll
+            for (int r = 0; r < ATTEND_R; r++) {
+                const int j = lane + 32 * r;
+                if (j < d) o[r] = fmaf(w, a[b][r], o[r]);
+            }
         }
     }
     const float inv = 1.0f / L;
