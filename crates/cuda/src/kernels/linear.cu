@@ -520,6 +520,18 @@ __device__ __forceinline__ void mv_prefetch(const MvMat& a, const MvMat& bm, int
 // first step's weights first and then waits, so with programmatic dependent launch a block that is
 // scheduled before the previous kernel ends has its first weights in flight meanwhile. Only for
 // weights no earlier work writes (the dense matrices, uploaded at load; not expert slots).
+// Stages x (cols inputs, plain) as mv_core would for a whole row with INT = true, so that a caller
+// can do it before it waits and pass `staged` to mv_core.
+template <int BITS>
+__device__ __forceinline__ void mv_stage_all(const float* __restrict__ x, int cols) {
+    extern __shared__ float4 mv_smem[];
+    if constexpr (BITS == 4 && MV_DP4A) {
+        mvd_stage(x, MV_IN_NONE, mv_smem, cols, nullptr);
+    } else {
+        mv_stage<BITS>(x, MV_IN_NONE, mv_smem, (float*)mv_smem + cols, cols, nullptr);
+    }
+}
+
 // PRE: called once, before the wait where EARLY, with the first tile this thread will hand to emit
 // (-1 if none), so a caller may load what its emit reads and no earlier kernel writes.
 struct MvNoPre {
@@ -529,7 +541,7 @@ struct MvNoPre {
 template <int BITS, int MODE, bool EARLY = false, bool INT = true, class Emit, class Pre = MvNoPre>
 __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const float* __restrict__ x, const MvIn in,
                                         int rows, int C, int Cs, int gpr, int gshift, int L, int blk, int nblk,
-                                        Emit emit, float* ssq = nullptr, Pre pre = Pre{}) {
+                                        Emit emit, float* ssq = nullptr, Pre pre = Pre{}, bool staged = false) {
     typedef MvFmt<BITS> F;
     extern __shared__ float4 mv_smem[];
     __shared__ float red[32][MV_R];
@@ -585,7 +597,9 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
     }
     if constexpr (EARLY) grid_enter();
     constexpr bool DP4A = BITS == 4 && MV_DP4A && INT;
-    if constexpr (DP4A) {
+    if (staged) {
+        // The caller staged x already (mv_stage_all), before it waited.
+    } else if constexpr (DP4A) {
         mvd_stage(x, in, sx4, cols, ssq);
     } else {
         mv_stage<BITS>(x, in, sx4, ssum, cols, ssq);

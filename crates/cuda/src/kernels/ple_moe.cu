@@ -235,6 +235,15 @@ __device__ void expert_down(const u64* table, int first, const float* act, float
     }
 }
 
+// The tiled gate/up kernel stages x before its wait: x (the MoE block's input) is written three
+// launches earlier (hc_up_mix, then the router and route_topk), and the launch before this one has
+// waited for it; only the weights depend on the router. `GATE_UP_STAGE_LATE`: after the wait.
+#ifdef GATE_UP_STAGE_LATE
+#define GATE_UP_STAGE_EARLY false
+#else
+#define GATE_UP_STAGE_EARLY true
+#endif
+
 // 2-, 4- and 8-bit experts through the tiled core of linear.cu when the host passes
 // rpb = MV_TILED | L (launch_experts does whenever the records allow it: 16-byte aligned matrices,
 // rows of whole chunks, groups of whole x-sum units): blockIdx.y is the entry, blockIdx.x of
@@ -246,6 +255,7 @@ __device__ __forceinline__ void expert_gate_up_tiled(const u64* table, int first
                                                      u64 u_s, u64 u_b) {
     typedef MvFmt<BITS> F;
     const int e = first + blockIdx.y;
+    // (x is staged by the kernel before its wait: EXPERT_KERNELS_TILED.)
     const u8* rec = (const u8*)(table[e] & ~TAG_MASK);
     const int C = H / F::CPC, gpr = H / gs, gshift = __ffs(gs) - 1;
     const MvMat g{(const uint4*)(rec + g_w), (const u16*)(rec + g_s), (const u16*)(rec + g_b)};
@@ -257,7 +267,8 @@ __device__ __forceinline__ void expert_gate_up_tiled(const u64* table, int first
                                   for (int j = 0; j < 2; j++) {
                                       if (tile * 2 + j < I) y[tile * 2 + j] = siluf_(v[j]) * v[j + 2];
                                   }
-                              });
+                              },
+                              nullptr, MvNoPre{}, GATE_UP_STAGE_EARLY);
 }
 
 // The down projection requests its first weights before it waits for the gate/up kernel (mv_core's
@@ -308,6 +319,7 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                          \
         expert_gate_up_q##B(const u64* table, int first, const float* x, float* act, int I, int H, int gs, int rpb,  \
                             u64 g_w, u64 g_s, u64 g_b, u64 u_w, u64 u_s, u64 u_b, u64* stamp) { KSPAN;                \
+        if (GATE_UP_STAGE_EARLY && (rpb & MV_TILED)) mv_stage_all<B>(x, H);                                          \
         grid_enter();                                                                                                 \
         stamp_first(stamp);                                                                                           \
         if (rpb & MV_TILED) {                                                                                         \
