@@ -485,7 +485,7 @@ fn tiled_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
         gpu.htod(dtable.ptr, &table)?;
         let act = gpu.alloc(entries.len() * inter * 4, "check act")?;
         let out = gpu.alloc(entries.len() * h * 4, "check out")?;
-        let io = crate::weights::ExpertIo { x: dx.ptr, act: act.ptr, out: out.ptr, stamp: 0 };
+        let io = crate::weights::ExpertIo { x: dx.ptr, act: act.ptr, out: out.ptr, stamp: 0, shared: None };
         // Entry 0 alone, then entries 1 and 2 (a nonzero `first`), as the streaming path does.
         crate::weights::launch_experts(gpu, &layout, record_bytes, dtable.ptr, 0, 1, io, (inter, h), &mut || Ok(()))?;
         crate::weights::launch_experts(gpu, &layout, record_bytes, dtable.ptr, 1, 2, io, (inter, h), &mut || Ok(()))?;
@@ -511,6 +511,68 @@ fn tiled_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
         rows.push(CheckRow {
             name: format!("expert down q{bits} g{gs} (3 entries)"),
             rel_err: rel_err(&read(out.ptr, want_out.len())?, &want_out),
+            limit: LINEAR_LIMIT,
+        });
+
+        // The shared expert riding along in the down launch (a resident MoE block): the second
+        // record's down projection as a dense matrix, its input silu(gate) * up of two vectors,
+        // beside entry 0 (a resident block's first entry; `first` is 0 there).
+        let (_, _, d) = &mats[1];
+        let dense = [
+            gpu.alloc(d.words.len() * 4, "check shared down")?,
+            gpu.alloc(d.scales.len() * 2, "check shared down")?,
+            gpu.alloc(d.biases.len() * 2, "check shared down")?,
+        ];
+        gpu.htod(dense[0].ptr, &d.words)?;
+        gpu.htod(dense[1].ptr, &d.scales)?;
+        gpu.htod(dense[2].ptr, &d.biases)?;
+        let lin = crate::weights::DevLinear {
+            precision: Precision::Affine { bits, group_size: gs },
+            rows: h,
+            cols: inter,
+            data: dense[0].ptr,
+            scales: dense[1].ptr,
+            biases: dense[2].ptr,
+        };
+        // Its own generator, so the rows above draw what they drew before these rows existed: with
+        // the shared rng, the next format's one-row matvec drew an output near zero, whose relative
+        // error (4.0e-5) then failed the limit (a one-row relative error is ill-conditioned).
+        let mut rider_rng = Rng::new(0x5eed_0019 + u64::from(bits));
+        let (sg, su) = (rider_rng.normal(inter, 1.0), rider_rng.normal(inter, 1.0));
+        let (dg, du, dout) = (
+            gpu.alloc(inter * 4, "check shared gate")?,
+            gpu.alloc(inter * 4, "check shared up")?,
+            gpu.alloc(h * 4, "check shared out")?,
+        );
+        gpu.htod(dg.ptr, &sg)?;
+        gpu.htod(du.ptr, &su)?;
+        let rides = crate::weights::shared_rides(&layout, record_bytes, &lin, (inter, h));
+        let shared = crate::weights::SharedDown {
+            data: lin.data,
+            scales: lin.scales,
+            biases: lin.biases,
+            group_size: gs,
+            gate: dg.ptr,
+            up: du.ptr,
+            out: dout.ptr,
+        };
+        gpu.htod(out.ptr, &vec![0f32; h])?;
+        let io = crate::weights::ExpertIo { shared: Some(shared), ..io };
+        crate::weights::launch_experts(gpu, &layout, record_bytes, dtable.ptr, 0, 1, io, (inter, h), &mut || Ok(()))?;
+        let a: Vec<f32> = sg.iter().zip(&su).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u).collect();
+        let mut want_shared = vec![0f32; h];
+        Linear::Affine { fmt, rows: h, cols: inter, words: &d.words, scales: &d.scales, biases: &d.biases }
+            .forward(&a, &mut want_shared);
+        // The rider's row and entry 0's, which shares its launch; a rider that cannot ride is an error.
+        let (got_shared, got_0) = (read(dout.ptr, h)?, read(out.ptr, h)?);
+        rows.push(CheckRow {
+            name: format!("expert down q{bits} g{gs} with the shared expert riding along: shared row"),
+            rel_err: if rides { rel_err(&got_shared, &want_shared) } else { f64::INFINITY },
+            limit: LINEAR_LIMIT,
+        });
+        rows.push(CheckRow {
+            name: format!("expert down q{bits} g{gs} with the shared expert riding along: entry 0"),
+            rel_err: rel_err(&got_0, &want_out[..h]),
             limit: LINEAR_LIMIT,
         });
     }

@@ -396,8 +396,13 @@ pub struct CudaModel {
     /// (`benchmark/notes-cuda.md`, session 10). `CHERENKOV_LOOKAHEAD_READS=n` sets it, 0 for no cap.
     lookahead_reads: Option<usize>,
     /// Every expert resident: the shared expert's down projection on the side stream
-    /// (`CHERENKOV_NO_SIDE_STREAM=1` queues it in line, before the routed experts).
+    /// (`CHERENKOV_NO_SIDE_STREAM=1` queues it in line, before the routed experts), where it does
+    /// not ride along in the routed experts' down launch (`shared_ride`).
     shared_beside: bool,
+    /// Every expert resident: the shared expert's down projection as the last entry of the routed
+    /// experts' down launch where its format allows ([`crate::weights::shared_rides`]), so the
+    /// combination follows that launch alone (`CHERENKOV_NO_SHARED_RIDE=1`: on its own, beside).
+    shared_ride: bool,
     /// Streaming: a block's read experts are queued before its lookahead's host work where the host
     /// has nothing to wait for (see `moe`; `CHERENKOV_READS_FIRST=0` queues them after it).
     reads_first: bool,
@@ -584,6 +589,7 @@ impl CudaModel {
                 None => Some(2),
             },
             shared_beside: std::env::var_os("CHERENKOV_NO_SIDE_STREAM").is_none(),
+            shared_ride: std::env::var_os("CHERENKOV_NO_SHARED_RIDE").is_none(),
             reads_first: std::env::var("CHERENKOV_READS_FIRST").map_or(true, |v| v != "0"),
             cut_weak: None,
             cpu_experts: None,
@@ -1639,10 +1645,12 @@ impl CudaModel {
         // path (the host turn and the misses' copies wait for it): it and the gate go alone, and the
         // shared expert's projections follow the router-ready event.
         let shared_later = !resident;
-        // Every expert resident: the shared expert's down projection runs on the side stream,
-        // beside the routing and the routed experts (it needs only this launch's outputs), and the
+        // Every expert resident: the shared expert's down projection rides along in the routed
+        // experts' down launch (`moe`) where it can, else runs on the side stream, beside the
+        // routing and the routed experts (it needs only this launch's outputs), and the
         // combination waits for both.
-        let beside = resident && self.shared_beside;
+        let rides = self.shared_riding(sc, m).is_some();
+        let beside = resident && self.shared_beside && !rides;
         let router = [(&m.gate, logits.ptr), (&m.shared_expert_gate, sgate.ptr)];
         let shared_gate_up = [(&m.shared_gate_proj, sg.ptr), (&m.shared_up_proj, su.ptr)];
         if shared_later {
@@ -1706,7 +1714,7 @@ impl CudaModel {
         let shared_down = || m.shared_down_proj.matvec_in(g, MatvecInput::SiluMul(sg.ptr, su.ptr), shared.ptr);
         if beside {
             g.on_side(shared_down)?;
-        } else {
+        } else if !rides {
             shared_down()?;
         }
         if !resident && self.head_events_beside() {
@@ -1751,7 +1759,10 @@ impl CudaModel {
         let [_, _, _, shared, sgate, _, _] = &sc.big;
         let mb = &sc.moe;
         let resident = mb.map.is_some();
-        let beside = resident && self.shared_beside;
+        let ride = self.shared_riding(sc, m);
+        let beside = resident && self.shared_beside && ride.is_none();
+        // The shared expert's output: the down launch's extra row where it rides along.
+        let shared_out = ride.map_or(shared.ptr, |r| r.out);
         let (table, ranks, weights) = (mb.tables.at(l * k * 8), mb.ranks.at(l * k * 4), mb.weights.at(l * k * 4));
         let ev = &mb.events[l];
         let ahead_of = next.filter(|_| self.lookahead && !resident);
@@ -1776,7 +1787,7 @@ impl CudaModel {
                     Arg::Ptr(ranks),
                     Arg::Ptr(weights),
                     Arg::I32(k as i32),
-                    Arg::Ptr(shared.ptr),
+                    Arg::Ptr(shared_out),
                     Arg::Ptr(sgate.ptr),
                     Arg::Ptr(sc.out.ptr),
                     Arg::I32(h as i32),
@@ -1797,7 +1808,7 @@ impl CudaModel {
                 st.blocks.push((l, Vec::new()));
                 g.record(&ev[1])?;
             }
-            self.launch_experts(sc, layout, table, 0, k, &mut || Ok(()), if stamp { stamps } else { 0 })?;
+            self.launch_experts(sc, layout, table, 0, k, &mut || Ok(()), if stamp { stamps } else { 0 }, ride)?;
             if beside {
                 g.join()?;
             }
@@ -1927,12 +1938,12 @@ impl CudaModel {
         // about 3 us a block on the H200.)
         let whole = stamp && hits == n_gpu && cpu_ranks.is_empty();
         if whole {
-            self.launch_experts(sc, layout, table, 0, hits, &mut || Ok(()), stamps)?;
+            self.launch_experts(sc, layout, table, 0, hits, &mut || Ok(()), stamps, None)?;
             st.stamped.push(l);
             st.whole_stamped.push(l);
         } else {
             g.record(&ev[1])?;
-            self.launch_experts(sc, layout, table, 0, hits, &mut || Ok(()), 0)?;
+            self.launch_experts(sc, layout, table, 0, hits, &mut || Ok(()), 0, None)?;
             g.record(&ev[2])?;
         }
         if !st.untimed && self.anatomy {
@@ -1997,6 +2008,7 @@ impl CudaModel {
                     kept - hits,
                     &mut backs,
                     if stamp_read { stamps } else { 0 },
+                    None,
                 )?;
                 if stamp_read {
                     st.stamped.push(l);
@@ -2258,9 +2270,10 @@ impl CudaModel {
         )
     }
 
-    /// Queues the gate/up and down kernels of table entries `first..first + n`.
     /// The gate/up then the down kernel of table entries `first..first + n`; `between` runs between
-    /// the two launches (the read experts' stream waits for their down projections' copies there).
+    /// the two launches (the read experts' stream waits for their down projections' copies there);
+    /// `shared`: the shared expert's down projection rides along ([`CudaModel::shared_riding`]).
+    #[allow(clippy::too_many_arguments)]
     fn launch_experts(
         &self,
         sc: &Scratch,
@@ -2270,11 +2283,44 @@ impl CudaModel {
         n: usize,
         between: &mut dyn FnMut() -> Result<()>,
         stamp: u64,
+        shared: Option<crate::weights::SharedDown>,
     ) -> Result<()> {
         let c = self.config();
-        let io = crate::weights::ExpertIo { x: sc.inp.ptr, act: sc.act.ptr, out: sc.eout.ptr, stamp };
+        let io = crate::weights::ExpertIo { x: sc.inp.ptr, act: sc.act.ptr, out: sc.eout.ptr, stamp, shared };
         let dims = (c.moe_intermediate_size, c.hidden_size);
         crate::weights::launch_experts(&self.gpu, layout, self.store.record_bytes(), table, first, n, io, dims, between)
+    }
+
+    /// Where the shared expert's down projection of block `m` rides along in the routed experts'
+    /// down launch: every expert resident (streaming, it runs while the host reads the routing),
+    /// `shared_ride` on, and its format that of the layer's experts
+    /// ([`crate::weights::shared_rides`]). Its input is the router launch's shared gate and up
+    /// outputs; its row goes after the k entries' rows.
+    fn shared_riding(&self, sc: &Scratch, m: &crate::weights::Moe) -> Option<crate::weights::SharedDown> {
+        let c = self.config();
+        if sc.moe.map.is_none() || !self.shared_ride {
+            return None;
+        }
+        let layout = &self.store.manifest.experts.layers[m.expert_slot];
+        let dims = (c.moe_intermediate_size, c.hidden_size);
+        let d = &m.shared_down_proj;
+        if !crate::weights::shared_rides(layout, self.store.record_bytes(), d, dims) {
+            return None;
+        }
+        let group_size = match d.precision {
+            Precision::Affine { group_size, .. } => group_size,
+            Precision::Float { .. } => return None,
+        };
+        let [_, sg, su, ..] = &sc.big;
+        Some(crate::weights::SharedDown {
+            data: d.data,
+            scales: d.scales,
+            biases: d.biases,
+            group_size,
+            gate: sg.ptr,
+            up: su.ptr,
+            out: sc.eout.at(c.num_experts_per_tok * c.hidden_size * 4),
+        })
     }
 
     /// Scores the last prediction for layer `l` against `actual`; then takes the lookahead's

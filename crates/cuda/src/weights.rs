@@ -774,6 +774,44 @@ pub struct ExpertIo {
     pub out: u64,
     /// Where the gate/up kernel writes the time it started (`stamp_first`, common.cuh); 0: nowhere.
     pub stamp: u64,
+    /// The shared expert's down projection as the down launch's last entry, where it
+    /// [`shared_rides`].
+    pub shared: Option<SharedDown>,
+}
+
+/// The shared expert's down projection riding along in the routed experts' down launch (linear.cu's
+/// `SharedDown`, ple_moe.cu): its matrix, its gate and up projections' outputs (its input is
+/// silu(gate) * up, applied while staging) and where its row goes.
+#[derive(Clone, Copy, Debug)]
+pub struct SharedDown {
+    pub data: u64,
+    pub scales: u64,
+    pub biases: u64,
+    pub group_size: usize,
+    pub gate: u64,
+    pub up: u64,
+    pub out: u64,
+}
+
+/// Whether the shared expert's down projection `shared` can ride along in the down launch of
+/// experts of `layout` (`dims` = (intermediate, hidden), records `record_bytes` apart): the down
+/// kernel is the tiled one, and `shared` is of the routed experts' format and shape with 16-byte
+/// aligned pieces.
+pub fn shared_rides(layout: &ExpertLayout, record_bytes: usize, shared: &DevLinear, dims: (usize, usize)) -> bool {
+    let down = &layout.down_proj;
+    let (inter, h) = dims;
+    let spans_aligned =
+        [Some(down.data), down.scales, down.biases].iter().all(|s| s.is_some_and(|s| s.offset.is_multiple_of(16)));
+    let tiled = match down.precision {
+        Precision::Affine { bits, group_size } => tiled_shmem(bits, group_size, inter).is_some(),
+        _ => false,
+    };
+    tiled
+        && spans_aligned
+        && record_bytes.is_multiple_of(16)
+        && shared.precision == down.precision
+        && (shared.rows, shared.cols) == (h, inter)
+        && [shared.data, shared.scales, shared.biases].iter().all(|p| p.is_multiple_of(16))
 }
 
 /// Queues the gate/up and down kernels of address-table entries `first..first + n` (records of
@@ -817,27 +855,35 @@ pub fn launch_experts(
         _ => None,
     };
     let up = &layout.up_proj;
-    let plan = |rows: usize, tile_rows: usize, cols: usize, bits: u32, shmem: usize| {
+    let plan = |rows: usize, tile_rows: usize, cols: usize, bits: u32, shmem: usize, copies: usize| {
         let min_blocks = if bits == 2 { 2 } else { 3 };
         let (tiles, chunks) = (rows.div_ceil(tile_rows), cols / (128 / bits as usize));
-        let p = plan_tiles(sms(g), expert_threads_per_sm(), tiles, chunks, n, min_blocks, shmem, 1.0);
+        let p = plan_tiles(sms(g), expert_threads_per_sm(), tiles, chunks, copies, min_blocks, shmem, 1.0);
         (p.blocks as u32, p.threads as u32, shmem as u32, MV_TILED | p.lanes)
     };
     // Experts fill the GPU together: rows per block from the rows of all entries.
     let (gb, gt, gsh, rpb_g) = match tiled(gu, h).filter(|_| tiled(up, h).is_some() && gs(gu) == gs(up)) {
-        Some((bits, shmem)) => plan(inter, 2, h, bits, shmem),
+        Some((bits, shmem)) => plan(inter, 2, h, bits, shmem, n),
         None => {
             let r = rows_per_block(inter * n, BLOCKS_WANTED);
             (blocks(inter, r), 256, staged(gu, h), r)
         }
     };
+    // The shared expert rides along as entry n (the caller checked `shared_rides`): one plan for
+    // n + 1 entries.
+    let shared = io.shared.filter(|_| tiled(down, inter).is_some());
+    if io.shared.is_some() && shared.is_none() {
+        bail!("{}: the shared expert cannot ride along in this layer's down launch (see shared_rides)", layout.layer);
+    }
+    let nd = n + usize::from(shared.is_some());
     let (db, dt, dsh, rpb_d) = match tiled(down, inter) {
-        Some((bits, shmem)) => plan(h, 4, inter, bits, shmem),
+        Some((bits, shmem)) => plan(h, 4, inter, bits, shmem, nd),
         None => {
             let r = rows_per_block(h * n, BLOCKS_WANTED);
             (blocks(h, r), 256, staged(down, inter), r)
         }
     };
+    let sh = shared.unwrap_or(SharedDown { data: 0, scales: 0, biases: 0, group_size: 1, gate: 0, up: 0, out: 0 });
     g.launch(
         &gk,
         (gb, n as u32, 1),
@@ -864,7 +910,7 @@ pub fn launch_experts(
     between()?;
     g.launch(
         &dk,
-        (db, n as u32, 1),
+        (db, nd as u32, 1),
         dt,
         dsh,
         &[
@@ -879,6 +925,13 @@ pub fn launch_experts(
             Arg::U64(down.data.offset),
             Arg::U64(off(down.scales)),
             Arg::U64(off(down.biases)),
+            Arg::Ptr(sh.data),
+            Arg::Ptr(sh.scales),
+            Arg::Ptr(sh.biases),
+            Arg::I32(sh.group_size as i32),
+            Arg::Ptr(sh.gate),
+            Arg::Ptr(sh.up),
+            Arg::Ptr(sh.out),
         ],
     )
 }

@@ -281,18 +281,43 @@ __device__ __forceinline__ void expert_gate_up_tiled(const u64* table, int first
 #else
 #define EXPERT_DOWN_EARLY true
 #endif
+//
+// The shared expert's down projection may ride along as the launch's last entry (`sh.w` set: the
+// grid has one entry more than the table's): its dense matrix (the routed experts' format), its
+// input silu(gate) * up applied while staging (MV_IN_SILU_MUL, as the separate matvec did), its row
+// written to sh.out. Every expert resident, that takes the side stream's launch and the
+// combination's wait for it off the block's path.
+struct SharedDown {
+    const u32* w;
+    const u16* s;
+    const u16* b;
+    int gs;
+    const float* gate;  // the shared expert's gate projection (x of MV_IN_SILU_MUL)
+    const float* up;    // its up projection (x2)
+    float* out;
+};
+
 template <int BITS>
 __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, const float* act, float* out, int I,
-                                                  int H, int gs, int L, u64 d_w, u64 d_s, u64 d_b) {
+                                                  int H, int gs, int L, u64 d_w, u64 d_s, u64 d_b,
+                                                  const SharedDown sh) {
     typedef MvFmt<BITS> F;
     if constexpr (!EXPERT_DOWN_EARLY) grid_enter();
+    const bool shared = sh.w && blockIdx.y == gridDim.y - 1;
     const int e = first + blockIdx.y;
-    const u8* rec = (const u8*)(table[e] & ~TAG_MASK);
-    const int C = I / F::CPC, gpr = I / gs, gshift = __ffs(gs) - 1;
-    const MvMat d{(const uint4*)(rec + d_w), (const u16*)(rec + d_s), (const u16*)(rec + d_b)};
-    float* y = out + (size_t)e * H;
-    mv_core<BITS, MV_PLAIN, EXPERT_DOWN_EARLY>(d, d, act + (size_t)e * I, MV_IN_NONE, H, C, C, gpr, gshift, L,
-                                               blockIdx.x, gridDim.x,
+    const int dgs = shared ? sh.gs : gs;
+    const int C = I / F::CPC, gpr = I / dgs, gshift = __ffs(dgs) - 1;
+    MvMat d;
+    if (shared) {
+        d = MvMat{(const uint4*)sh.w, sh.s, sh.b};
+    } else {
+        const u8* rec = (const u8*)(table[e] & ~TAG_MASK);
+        d = MvMat{(const uint4*)(rec + d_w), (const u16*)(rec + d_s), (const u16*)(rec + d_b)};
+    }
+    float* y = shared ? sh.out : out + (size_t)e * H;
+    const float* x = shared ? sh.gate : act + (size_t)e * I;
+    const MvIn in = shared ? MvIn{sh.up, 0.0f, MV_IN_SILU_MUL} : MV_IN_NONE;
+    mv_core<BITS, MV_PLAIN, EXPERT_DOWN_EARLY>(d, d, x, in, H, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,
                             [&](int tile, const float* v) {
 #pragma unroll
                                 for (int i = 0; i < MV_R; i++) {
@@ -309,8 +334,11 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
         stamp_first(stamp);                                                                                            \
         expert_gate_up<B>(table, first, x, act, I, H, gs, rpb, g_w, g_s, g_b, u_w, u_s, u_b);                         \
     }                                                                                                                  \
+    /* (sh_*: the shared expert riding along, tiled kernels only; never set for these.) */                            \
     extern "C" __global__ void expert_down_q##B(const u64* table, int first, const float* act, float* out, int I,     \
-                                                int H, int gs, int rpb, u64 d_w, u64 d_s, u64 d_b) { KSPAN;            \
+                                                int H, int gs, int rpb, u64 d_w, u64 d_s, u64 d_b, const u32* sh_w,    \
+                                                const u16* sh_s, const u16* sh_b, int sh_gs, const float* sh_gate,     \
+                                                const float* sh_up, float* sh_out) { KSPAN;                            \
         grid_enter();                                                                                                  \
         expert_down<B>(table, first, act, out, I, H, gs, rpb, d_w, d_s, d_b);                                         \
     }
@@ -331,9 +359,11 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                          \
         expert_down_q##B(const u64* table, int first, const float* act, float* out, int I, int H, int gs, int rpb,   \
-                         u64 d_w, u64 d_s, u64 d_b) { KSPAN;                                                          \
+                         u64 d_w, u64 d_s, u64 d_b, const u32* sh_w, const u16* sh_s, const u16* sh_b, int sh_gs,    \
+                         const float* sh_gate, const float* sh_up, float* sh_out) { KSPAN;                            \
         if (rpb & MV_TILED) {                                                                                         \
-            expert_down_tiled<B>(table, first, act, out, I, H, gs, rpb & (MV_TILED - 1), d_w, d_s, d_b);             \
+            expert_down_tiled<B>(table, first, act, out, I, H, gs, rpb & (MV_TILED - 1), d_w, d_s, d_b,             \
+                                 SharedDown{sh_w, sh_s, sh_b, sh_gs, sh_gate, sh_up, sh_out});                       \
         } else {                                                                                                      \
             grid_enter();                                                                                             \
             expert_down<B>(table, first, act, out, I, H, gs, rpb, d_w, d_s, d_b);                                     \
@@ -353,32 +383,48 @@ EXPERT_KERNELS_TILED(8, 3)
 // Its loads go out together, a batch of ranks at a time, and the streams' before any store: a loop
 // that loads each rank's entry, then its row, and each stream after the previous one's store,
 // waits a round trip to L2 for each (about 25 in a row at top-10 and 4 streams).
+// Only `out` and `shared` are written by the launch before this one (the down projections, the
+// shared expert riding along there); the residual, the injection logits, the shared gate and the
+// first batch's entries and weights are written earlier, so they are loaded before the wait
+// (`COMBINE_LATE`: after it, as before session 19).
 #define COMBINE_BATCH 8
 extern "C" __global__ void moe_combine(const float* out, const int* entry, const float* w, int k, const float* shared,
                                        const float* shared_gate, float* y, int H, float* x, const float* inj, int hc,
                                        u64* stamp) {
     KSPAN;
+#ifdef COMBINE_LATE
     grid_enter();
-    stamp_first(stamp);
+#endif
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= H) return;
-    const float sg = shared_gate[0], sh = shared[j];
-    const bool streams = x && hc <= MV_HC_MAX;
+    const bool in = j < H;
+    const float sg = shared_gate[0];
+    const bool streams = in && x && hc <= MV_HC_MAX;
     float c[MV_HC_MAX], xv[MV_HC_MAX];
 #pragma unroll
     for (int s = 0; s < MV_HC_MAX; s++) {
         c[s] = streams && s < hc ? inj[s] : 0.0f;
         xv[s] = streams && s < hc ? x[(size_t)s * H + j] : 0.0f;
     }
-    float acc = 0.0f;
-    for (int r0 = 0; r0 < k; r0 += COMBINE_BATCH) {
-        int e[COMBINE_BATCH];
-        float wr[COMBINE_BATCH], o[COMBINE_BATCH];
+    int e[COMBINE_BATCH];
+    float wr[COMBINE_BATCH];
+    auto batch = [&](int r0) {
 #pragma unroll
         for (int i = 0; i < COMBINE_BATCH; i++) {
             e[i] = r0 + i < k ? entry[r0 + i] : 0;
             wr[i] = r0 + i < k ? w[r0 + i] : 0.0f;
         }
+    };
+    batch(0);
+#ifndef COMBINE_LATE
+    grid_enter();
+#endif
+    stamp_first(stamp);
+    if (!in) return;
+    const float sh = shared[j];
+    float acc = 0.0f;
+    for (int r0 = 0; r0 < k; r0 += COMBINE_BATCH) {
+        if (r0 > 0) batch(r0);
+        float o[COMBINE_BATCH];
 #pragma unroll
         for (int i = 0; i < COMBINE_BATCH; i++) o[i] = r0 + i < k ? out[(size_t)e[i] * H + j] : 0.0f;
 #pragma unroll
