@@ -126,13 +126,27 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_split(const floa
         if (t < rows) col[t] = s[(size_t)t * dv];
     }
     const float a_log = A_log[hv], dt = dt_bias[hv];
+#ifndef GDN_TAIL_LATE
+    // The norm weight too; and once waited, the input projection's outputs this thread needs (its
+    // value, the head's a and b, its gate z) are requested before the staging's reductions, so no
+    // load waits behind a barrier. The gated norm then takes y from the threads that hold it
+    // instead of reading `out` back (`GDN_TAIL_LATE`: loads where used, the norm over `out`, as
+    // before session 19). The same arithmetic in the same order either way.
+    const float wj = norm_w[j];
+    grid_enter();
+    const float* vrow = qkv + (size_t)2 * nk * dk + (size_t)hv * dv;
+    const float vj = vrow[j], bh = b[hv], ah = a[hv], zj = z[(size_t)hv * dv + j];
+    gdn_stage_qk(qkv, sh, hv, nk, nv, dk, dv);
+#else
     grid_enter();
     const float* v = gdn_stage_qk(qkv, sh, hv, nk, nv, dk, dv);
+    const float vj = v[j], bh = b[hv], ah = a[hv];
+#endif
     const float* sq = sh;
     const float* sk = sh + dk;
     float* part = sh + 2 * dk;
-    const float beta = sigmoidf_(b[hv]);
-    const float decay = expf(-expf(a_log) * softplusf_(a[hv] + dt));
+    const float beta = sigmoidf_(bh);
+    const float decay = expf(-expf(a_log) * softplusf_(ah + dt));
     float kv = 0.0f;
 #pragma unroll
     for (int t = 0; t < GDN_MAX_ROWS; t++) {
@@ -145,7 +159,7 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_split(const floa
     __syncthreads();
     kv = 0.0f;
     for (int p = 0; p < GDN_SPLIT; p++) kv += part[p * dv + j];
-    const float delta = (v[j] - kv) * beta;
+    const float delta = (vj - kv) * beta;
     float y = 0.0f;
 #pragma unroll
     for (int t = 0; t < GDN_MAX_ROWS; t++) {
@@ -158,6 +172,21 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_split(const floa
     __syncthreads();
     part[r * dv + j] = y;
     __syncthreads();
+#ifndef GDN_TAIL_LATE
+    // Threads r == 0 (threadIdx.x < dv) hold the head's outputs: gdn_gated_norm's sum of squares
+    // over the same threads in the same order, and its expression.
+    if (r == 0) {
+        y = 0.0f;
+        for (int p = 0; p < GDN_SPLIT; p++) y += part[p * dv + j];
+    }
+    __shared__ float nscratch[32];
+    const float ss = block_sum(r == 0 ? y * y : 0.0f, nscratch);
+    if (r == 0) {
+        const float inv = rsqrtf(ss / (float)dv + eps);
+        const float gate = act == 0 ? sigmoidf_(zj) : siluf_(zj);
+        out[(size_t)hv * dv + j] = wj * (y * inv) * gate;
+    }
+#else
     if (r == 0) {
         y = 0.0f;
         for (int p = 0; p < GDN_SPLIT; p++) y += part[p * dv + j];
@@ -165,4 +194,5 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_split(const floa
     }
     __syncthreads();
     gdn_gated_norm(out, z, norm_w, hv, dv, eps, act);
+#endif
 }
