@@ -1196,4 +1196,58 @@ mod tests {
         assert!(blocks <= 396, "{joint:?}");
         assert_eq!(joint[0], TilePlan { lanes: 16, threads: 256, blocks: 160 });
     }
+
+    /// A record of the released expert shape (intermediate 640, hidden 2560) in `bits`/`gs`, its
+    /// matrices 16-byte aligned, and a dense shared down projection of `rows` x `cols` in `shared`
+    /// at addresses `at`.
+    fn rider(bits: u32, gs: usize, shared: Precision, rows: usize, cols: usize, at: u64) -> (ExpertLayout, DevLinear) {
+        use cherenkov_model::store::{RecordMatrix, Span};
+        let (inter, h) = (640usize, 2560usize);
+        let mut next = 0u64;
+        let mut span = |bytes: usize| {
+            let s = Span { offset: next, len: bytes as u64 };
+            next += (bytes as u64).next_multiple_of(16);
+            s
+        };
+        let mut m = |r: usize, c: usize| RecordMatrix {
+            shape: [r, c],
+            precision: Precision::Affine { bits, group_size: gs },
+            data: span(r * c * bits as usize / 8),
+            scales: Some(span(r * c / gs * 2)),
+            biases: Some(span(r * c / gs * 2)),
+        };
+        let layout = ExpertLayout {
+            layer: "layers.0".into(),
+            gate_proj: m(inter, h),
+            up_proj: m(inter, h),
+            down_proj: m(h, inter),
+        };
+        let lin = DevLinear { precision: shared, rows, cols, data: at, scales: at + 0x10_0000, biases: at + 0x20_0000 };
+        (layout, lin)
+    }
+
+    #[test]
+    fn the_shared_expert_rides_along_only_in_the_experts_format_and_shape() {
+        let q4 = Precision::Affine { bits: 4, group_size: 64 };
+        let dims = (640, 2560);
+        let (layout, lin) = rider(4, 64, q4, 2560, 640, 0x7f00_0000);
+        assert!(shared_rides(&layout, 4096 * 700, &lin, dims));
+        // Another format (the mixed conversions' 8-bit shared experts), another group size.
+        let (layout, lin) = rider(4, 64, Precision::Affine { bits: 8, group_size: 64 }, 2560, 640, 0x7f00_0000);
+        assert!(!shared_rides(&layout, 4096 * 700, &lin, dims));
+        let (layout, lin) = rider(4, 64, Precision::Affine { bits: 4, group_size: 32 }, 2560, 640, 0x7f00_0000);
+        assert!(!shared_rides(&layout, 4096 * 700, &lin, dims));
+        // A shared expert wider than the routed ones (the golden fixture tiny-a: 96 against 64).
+        let (layout, lin) = rider(4, 64, q4, 2560, 960, 0x7f00_0000);
+        assert!(!shared_rides(&layout, 4096 * 700, &lin, dims));
+        // Its matrix not 16-byte aligned, or the records not 16 bytes apart.
+        let (layout, lin) = rider(4, 64, q4, 2560, 640, 0x7f00_0008);
+        assert!(!shared_rides(&layout, 4096 * 700, &lin, dims));
+        let (layout, lin) = rider(4, 64, q4, 2560, 640, 0x7f00_0000);
+        assert!(!shared_rides(&layout, 4096 * 700 + 8, &lin, dims));
+        // Experts the tiled kernels do not take (3 bits): no down launch to ride in.
+        let q3 = Precision::Affine { bits: 3, group_size: 64 };
+        let (layout, lin) = rider(3, 64, q3, 2560, 640, 0x7f00_0000);
+        assert!(!shared_rides(&layout, 4096 * 700, &lin, dims));
+    }
 }
