@@ -779,8 +779,8 @@ pub struct ExpertIo {
     pub shared: Option<SharedDown>,
 }
 
-/// The shared expert's down projection riding along in the routed experts' down launch (linear.cu's
-/// `SharedDown`, ple_moe.cu): its matrix, its gate and up projections' outputs (its input is
+/// The shared expert's down projection riding along in the routed experts' down launch (`SharedDown`
+/// in ple_moe.cu): its matrix, its gate and up projections' outputs (its input is
 /// silu(gate) * up, applied while staging) and where its row goes.
 #[derive(Clone, Copy, Debug)]
 pub struct SharedDown {
@@ -800,18 +800,24 @@ pub struct SharedDown {
 pub fn shared_rides(layout: &ExpertLayout, record_bytes: usize, shared: &DevLinear, dims: (usize, usize)) -> bool {
     let down = &layout.down_proj;
     let (inter, h) = dims;
-    let spans_aligned =
-        [Some(down.data), down.scales, down.biases].iter().all(|s| s.is_some_and(|s| s.offset.is_multiple_of(16)));
-    let tiled = match down.precision {
-        Precision::Affine { bits, group_size } => tiled_shmem(bits, group_size, inter).is_some(),
-        _ => false,
-    };
-    tiled
-        && spans_aligned
-        && record_bytes.is_multiple_of(16)
+    record_tiled(down, inter, record_bytes).is_some()
         && shared.precision == down.precision
         && (shared.rows, shared.cols) == (h, inter)
         && [shared.data, shared.scales, shared.biases].iter().all(|p| p.is_multiple_of(16))
+}
+
+/// The tiled expert kernels' (bits, staged bytes) for record matrix `m` of `cols` inputs, records
+/// `record_bytes` apart, where they take it (2, 4 or 8 bits, 16-byte aligned pieces, a tiled shape).
+fn record_tiled(m: &RecordMatrix, cols: usize, record_bytes: usize) -> Option<(u32, usize)> {
+    match m.precision {
+        Precision::Affine { bits, group_size }
+            if [Some(m.data), m.scales, m.biases].iter().all(|s| s.is_some_and(|s| s.offset.is_multiple_of(16)))
+                && record_bytes.is_multiple_of(16) =>
+        {
+            tiled_shmem(bits, group_size, cols).map(|shmem| (bits, shmem))
+        }
+        _ => None,
+    }
 }
 
 /// Queues the gate/up and down kernels of address-table entries `first..first + n` (records of
@@ -845,15 +851,7 @@ pub fn launch_experts(
         Precision::Affine { bits: 2 | 4 | 8, .. } => (n * 4) as u32,
         _ => 0,
     };
-    let tiled = |m: &RecordMatrix, cols: usize| match m.precision {
-        Precision::Affine { bits, group_size }
-            if [Some(m.data), m.scales, m.biases].iter().all(|s| s.is_some_and(|s| s.offset.is_multiple_of(16)))
-                && record_bytes.is_multiple_of(16) =>
-        {
-            tiled_shmem(bits, group_size, cols).map(|shmem| (bits, shmem))
-        }
-        _ => None,
-    };
+    let tiled = |m: &RecordMatrix, cols: usize| record_tiled(m, cols, record_bytes);
     let up = &layout.up_proj;
     let plan = |rows: usize, tile_rows: usize, cols: usize, bits: u32, shmem: usize, copies: usize| {
         let min_blocks = if bits == 2 { 2 } else { 3 };
