@@ -485,7 +485,14 @@ fn tiled_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
         gpu.htod(dtable.ptr, &table)?;
         let act = gpu.alloc(entries.len() * inter * 4, "check act")?;
         let out = gpu.alloc(entries.len() * h * 4, "check out")?;
-        let io = crate::weights::ExpertIo { x: dx.ptr, act: act.ptr, out: out.ptr, stamp: 0, shared: None };
+        let io = crate::weights::ExpertIo {
+            x: dx.ptr,
+            act: act.ptr,
+            out: out.ptr,
+            stamp: 0,
+            shared: None,
+            shared_gate_up: None,
+        };
         // Entry 0 alone, then entries 1 and 2 (a nonzero `first`), as the streaming path does.
         crate::weights::launch_experts(gpu, &layout, record_bytes, dtable.ptr, 0, 1, io, (inter, h), &mut || Ok(()))?;
         crate::weights::launch_experts(gpu, &layout, record_bytes, dtable.ptr, 1, 2, io, (inter, h), &mut || Ok(()))?;
@@ -575,6 +582,84 @@ fn tiled_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
             rel_err: rel_err(&got_0, &want_out[..h]),
             limit: LINEAR_LIMIT,
         });
+
+        // The shared expert's gate and up projections riding along in the gate/up launch too (the
+        // second record's, as dense matrices, on the routed experts' x), beside entry 0: their rows,
+        // entry 0's, and the riding down projection's row computed from them.
+        let (g1, u1, _) = &mats[1];
+        let mut dense_gu = Vec::new();
+        let mut lin_gu = Vec::new();
+        for q in [g1, u1] {
+            let bufs = [
+                gpu.alloc(q.words.len() * 4, "check shared gate/up")?,
+                gpu.alloc(q.scales.len() * 2, "check shared gate/up")?,
+                gpu.alloc(q.biases.len() * 2, "check shared gate/up")?,
+            ];
+            gpu.htod(bufs[0].ptr, &q.words)?;
+            gpu.htod(bufs[1].ptr, &q.scales)?;
+            gpu.htod(bufs[2].ptr, &q.biases)?;
+            lin_gu.push(crate::weights::DevLinear {
+                precision: Precision::Affine { bits, group_size: gs },
+                rows: inter,
+                cols: h,
+                data: bufs[0].ptr,
+                scales: bufs[1].ptr,
+                biases: bufs[2].ptr,
+            });
+            dense_gu.push(bufs);
+        }
+        let gu_rides = crate::weights::shared_gate_up_rides(&layout, record_bytes, &lin_gu[0], &lin_gu[1], (inter, h));
+        let (dg2, du2) = (gpu.alloc(inter * 4, "check shared gate")?, gpu.alloc(inter * 4, "check shared up")?);
+        let part = |l: &crate::weights::DevLinear| (l.data, l.scales, l.biases);
+        let shared_gu = crate::weights::SharedGateUp {
+            gate: part(&lin_gu[0]),
+            up: part(&lin_gu[1]),
+            group_size: gs,
+            gate_out: dg2.ptr,
+            up_out: du2.ptr,
+        };
+        gpu.htod(out.ptr, &vec![0f32; h])?;
+        gpu.htod(act.ptr, &vec![0f32; inter])?;
+        gpu.htod(dout.ptr, &vec![0f32; h])?;
+        let io = crate::weights::ExpertIo {
+            shared: Some(crate::weights::SharedDown { gate: dg2.ptr, up: du2.ptr, ..shared }),
+            shared_gate_up: Some(shared_gu),
+            ..io
+        };
+        crate::weights::launch_experts(gpu, &layout, record_bytes, dtable.ptr, 0, 1, io, (inter, h), &mut || Ok(()))?;
+        let f = |q: &cherenkov_model::quant::QuantizedMatrix, r: usize, c: usize, v: &[f32]| {
+            let mut y = vec![0f32; r];
+            Linear::Affine { fmt, rows: r, cols: c, words: &q.words, scales: &q.scales, biases: &q.biases }
+                .forward(v, &mut y);
+            y
+        };
+        let (want_g, want_u) = (f(g1, inter, h, &x[..h]), f(u1, inter, h, &x[..h]));
+        let a1: Vec<f32> = want_g.iter().zip(&want_u).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u).collect();
+        let want_sd = f(d, h, inter, &a1);
+        let gu_err = |got: &[f32], want: &[f32]| if gu_rides { rel_err(got, want) } else { f64::INFINITY };
+        let name =
+            |what: &str| format!("expert gate/up q{bits} g{gs} with the shared gate and up riding along: {what}");
+        rows.push(CheckRow {
+            name: name("shared gate"),
+            rel_err: gu_err(&read(dg2.ptr, inter)?, &want_g),
+            limit: LINEAR_LIMIT,
+        });
+        rows.push(CheckRow {
+            name: name("shared up"),
+            rel_err: gu_err(&read(du2.ptr, inter)?, &want_u),
+            limit: LINEAR_LIMIT,
+        });
+        rows.push(CheckRow {
+            name: name("entry 0"),
+            rel_err: rel_err(&read(act.ptr, inter)?, &want_act[..inter]),
+            limit: LINEAR_LIMIT,
+        });
+        rows.push(CheckRow {
+            name: name("the shared down row from them"),
+            rel_err: gu_err(&read(dout.ptr, h)?, &want_sd),
+            limit: LINEAR_LIMIT,
+        });
+        drop(dense_gu);
     }
     // Parts of different formats in one launch (the MoE block: the router and the shared-expert
     // gate at 8 bits, the shared expert's gate and up at 4; here 2 bits too).

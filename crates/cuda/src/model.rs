@@ -403,6 +403,12 @@ pub struct CudaModel {
     /// experts' down launch where its format allows ([`crate::weights::shared_rides`]), so the
     /// combination follows that launch alone (`CHERENKOV_NO_SHARED_RIDE=1`: on its own, beside).
     shared_ride: bool,
+    /// Where the down projection rides along: the shared expert's gate and up projections too, as
+    /// the last entry of the routed experts' gate/up launch
+    /// ([`crate::weights::shared_gate_up_rides`]); their blocks need nothing the router writes and
+    /// run beside the routing, and the router's launch is the router and the shared expert's gate
+    /// alone (`CHERENKOV_NO_SHARED_GATE_UP_RIDE=1`: in the router's launch).
+    shared_gate_up_ride: bool,
     /// Streaming: a block's read experts are queued before its lookahead's host work where the host
     /// has nothing to wait for (see `moe`; `CHERENKOV_READS_FIRST=0` queues them after it).
     reads_first: bool,
@@ -590,6 +596,7 @@ impl CudaModel {
             },
             shared_beside: std::env::var_os("CHERENKOV_NO_SIDE_STREAM").is_none(),
             shared_ride: std::env::var_os("CHERENKOV_NO_SHARED_RIDE").is_none(),
+            shared_gate_up_ride: std::env::var_os("CHERENKOV_NO_SHARED_GATE_UP_RIDE").is_none(),
             reads_first: std::env::var("CHERENKOV_READS_FIRST").map_or(true, |v| v != "0"),
             cut_weak: None,
             cpu_experts: None,
@@ -1653,7 +1660,8 @@ impl CudaModel {
         let beside = resident && self.shared_beside && !rides;
         let router = [(&m.gate, logits.ptr), (&m.shared_expert_gate, sgate.ptr)];
         let shared_gate_up = [(&m.shared_gate_proj, sg.ptr), (&m.shared_up_proj, su.ptr)];
-        if shared_later {
+        // (Its gate and up projections may ride along in the routed experts' gate/up launch.)
+        if shared_later || self.shared_gate_up_riding(sc, m).is_some() {
             matvec_many(g, sc.inp.ptr, &router)?;
         } else {
             matvec_many(g, sc.inp.ptr, &[router[0], router[1], shared_gate_up[0], shared_gate_up[1]])?;
@@ -1808,7 +1816,18 @@ impl CudaModel {
                 st.blocks.push((l, Vec::new()));
                 g.record(&ev[1])?;
             }
-            self.launch_experts(sc, layout, table, 0, k, &mut || Ok(()), if stamp { stamps } else { 0 }, ride)?;
+            let io = self.expert_io(sc, if stamp { stamps } else { 0 }, ride, self.shared_gate_up_riding(sc, m));
+            crate::weights::launch_experts(
+                &self.gpu,
+                layout,
+                self.store.record_bytes(),
+                table,
+                0,
+                k,
+                io,
+                self.expert_dims(),
+                &mut || Ok(()),
+            )?;
             if beside {
                 g.join()?;
             }
@@ -2285,10 +2304,63 @@ impl CudaModel {
         stamp: u64,
         shared: Option<crate::weights::SharedDown>,
     ) -> Result<()> {
+        let io = self.expert_io(sc, stamp, shared, None);
+        crate::weights::launch_experts(
+            &self.gpu,
+            layout,
+            self.store.record_bytes(),
+            table,
+            first,
+            n,
+            io,
+            self.expert_dims(),
+            between,
+        )
+    }
+
+    /// The expert kernels' buffers: x, act and out of the step's scratch, and what rides along.
+    fn expert_io(
+        &self,
+        sc: &Scratch,
+        stamp: u64,
+        shared: Option<crate::weights::SharedDown>,
+        shared_gate_up: Option<crate::weights::SharedGateUp>,
+    ) -> crate::weights::ExpertIo {
+        crate::weights::ExpertIo { x: sc.inp.ptr, act: sc.act.ptr, out: sc.eout.ptr, stamp, shared, shared_gate_up }
+    }
+
+    /// (intermediate, hidden) of the routed experts.
+    fn expert_dims(&self) -> (usize, usize) {
         let c = self.config();
-        let io = crate::weights::ExpertIo { x: sc.inp.ptr, act: sc.act.ptr, out: sc.eout.ptr, stamp, shared };
-        let dims = (c.moe_intermediate_size, c.hidden_size);
-        crate::weights::launch_experts(&self.gpu, layout, self.store.record_bytes(), table, first, n, io, dims, between)
+        (c.moe_intermediate_size, c.hidden_size)
+    }
+
+    /// Where the shared expert's gate and up projections of block `m` ride along in the routed
+    /// experts' gate/up launch: where its down projection rides ([`CudaModel::shared_riding`]),
+    /// `shared_gate_up_ride` on, and both of the experts' gate/up format
+    /// ([`crate::weights::shared_gate_up_rides`]). Their outputs are the riding down projection's
+    /// input.
+    fn shared_gate_up_riding(&self, sc: &Scratch, m: &crate::weights::Moe) -> Option<crate::weights::SharedGateUp> {
+        if !self.shared_gate_up_ride {
+            return None;
+        }
+        let down = self.shared_riding(sc, m)?;
+        let layout = &self.store.manifest.experts.layers[m.expert_slot];
+        let (g, u) = (&m.shared_gate_proj, &m.shared_up_proj);
+        if !crate::weights::shared_gate_up_rides(layout, self.store.record_bytes(), g, u, self.expert_dims()) {
+            return None;
+        }
+        let group_size = match g.precision {
+            Precision::Affine { group_size, .. } => group_size,
+            Precision::Float { .. } => return None,
+        };
+        Some(crate::weights::SharedGateUp {
+            gate: (g.data, g.scales, g.biases),
+            up: (u.data, u.scales, u.biases),
+            group_size,
+            gate_out: down.gate,
+            up_out: down.up,
+        })
     }
 
     /// Where the shared expert's down projection of block `m` rides along in the routed experts'

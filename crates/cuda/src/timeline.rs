@@ -194,14 +194,18 @@ pub fn launches(recs: &[BlockRecord], name: &dyn Fn(u32) -> String) -> Vec<Launc
         while i < v.len() {
             let blocks = v[i].blocks.max(1);
             let part = &v[i..(i + blocks as usize).min(v.len())];
-            let waited = |r: &&BlockRecord| if r.waited == 0 { r.start } else { r.waited };
+            // A launch's wait is its waiting blocks' (blocks that never wait, such as the shared
+            // expert riding along in the experts' gate/up launch, run beside the kernel before);
+            // a launch none of whose blocks waits counts from its blocks' starts.
+            let waiting: Vec<u64> = part.iter().filter(|r| r.waited != 0).map(|r| r.waited).collect();
+            let waited: Vec<u64> = if waiting.is_empty() { part.iter().map(|r| r.start).collect() } else { waiting };
             out.push(Launch {
                 name: name(h),
                 blocks,
                 records: part.len() as u32,
                 first_start: part.iter().map(|r| r.start).min().unwrap_or(0),
-                first_waited: part.iter().map(waited).min().unwrap_or(0),
-                last_waited: part.iter().map(waited).max().unwrap_or(0),
+                first_waited: waited.iter().copied().min().unwrap_or(0),
+                last_waited: waited.iter().copied().max().unwrap_or(0),
                 last_end: part.iter().map(|r| r.end).max().unwrap_or(0),
             });
             i += part.len();
@@ -292,6 +296,17 @@ mod tests {
         // The second kernel waited 10 ns past the first's end and added 100 ns to the step.
         assert!(table.contains("1\tk2\t1\t0.05\t0.11\t0.11\t0.20\t0.01\t0.09\t0.10"), "{table}");
         assert!(table.contains("# k1\t2\t0.22\t0.11"), "{table}");
+    }
+
+    #[test]
+    fn a_block_that_never_waits_leaves_its_launchs_wait_to_the_others() {
+        // Kernel 3's second block rides along: it starts early and never waits (waited 0).
+        let recs = [rec(3, 0, 2, 100, 150, 200), rec(3, 1, 2, 90, 0, 130), rec(4, 0, 1, 80, 0, 95)];
+        let l = launches(&recs, &|h| format!("k{h}"));
+        let got: Vec<(&str, u64, u64, u64, u64)> =
+            l.iter().map(|l| (l.name.as_str(), l.first_start, l.first_waited, l.last_waited, l.last_end)).collect();
+        // A launch none of whose blocks waits counts from its starts.
+        assert_eq!(got, [("k4", 80, 80, 80, 95), ("k3", 90, 150, 150, 200)]);
     }
 
     #[test]

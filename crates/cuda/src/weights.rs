@@ -777,6 +777,21 @@ pub struct ExpertIo {
     /// The shared expert's down projection as the down launch's last entry, where it
     /// [`shared_rides`].
     pub shared: Option<SharedDown>,
+    /// The shared expert's gate and up projections as the gate/up launch's last entry, where they
+    /// [`shared_gate_up_rides`] (only beside `shared`, whose input they are).
+    pub shared_gate_up: Option<SharedGateUp>,
+}
+
+/// The shared expert's gate and up projections riding along in the routed experts' gate/up launch
+/// (`SharedGateUp` in ple_moe.cu): their matrices, and where their rows go (the riding down
+/// projection's `gate` and `up`). Those blocks do not wait for the router.
+#[derive(Clone, Copy, Debug)]
+pub struct SharedGateUp {
+    pub gate: (u64, u64, u64),
+    pub up: (u64, u64, u64),
+    pub group_size: usize,
+    pub gate_out: u64,
+    pub up_out: u64,
 }
 
 /// The shared expert's down projection riding along in the routed experts' down launch (`SharedDown`
@@ -804,6 +819,29 @@ pub fn shared_rides(layout: &ExpertLayout, record_bytes: usize, shared: &DevLine
         && shared.precision == down.precision
         && (shared.rows, shared.cols) == (h, inter)
         && [shared.data, shared.scales, shared.biases].iter().all(|p| p.is_multiple_of(16))
+}
+
+/// Whether the shared expert's gate and up projections can ride along in the gate/up launch of
+/// experts of `layout` (`dims` = (intermediate, hidden), records `record_bytes` apart): that kernel
+/// is the tiled one, and both matrices are of the routed experts' gate/up format and shape with
+/// 16-byte aligned pieces.
+pub fn shared_gate_up_rides(
+    layout: &ExpertLayout,
+    record_bytes: usize,
+    gate: &DevLinear,
+    up: &DevLinear,
+    dims: (usize, usize),
+) -> bool {
+    let (inter, h) = dims;
+    let (g, u) = (&layout.gate_proj, &layout.up_proj);
+    record_tiled(g, h, record_bytes).is_some()
+        && record_tiled(u, h, record_bytes).is_some()
+        && g.precision == u.precision
+        && [gate, up].iter().all(|m| {
+            m.precision == g.precision
+                && (m.rows, m.cols) == (inter, h)
+                && [m.data, m.scales, m.biases].iter().all(|p| p.is_multiple_of(16))
+        })
 }
 
 /// The tiled expert kernels' (bits, staged bytes) for record matrix `m` of `cols` inputs, records
@@ -860,8 +898,20 @@ pub fn launch_experts(
         (p.blocks as u32, p.threads as u32, shmem as u32, MV_TILED | p.lanes)
     };
     // Experts fill the GPU together: rows per block from the rows of all entries.
-    let (gb, gt, gsh, rpb_g) = match tiled(gu, h).filter(|_| tiled(up, h).is_some() && gs(gu) == gs(up)) {
-        Some((bits, shmem)) => plan(inter, 2, h, bits, shmem, n),
+    let gate_up_tiled = tiled(gu, h).filter(|_| tiled(up, h).is_some() && gs(gu) == gs(up));
+    // The shared expert's gate and up ride along as entry n (the caller checked
+    // `shared_gate_up_rides`), only with its down projection riding in the down launch.
+    let shared_gu = io.shared_gate_up.filter(|_| gate_up_tiled.is_some() && io.shared.is_some());
+    if io.shared_gate_up.is_some() && shared_gu.is_none() {
+        bail!(
+            "{}: the shared expert's gate and up cannot ride along in this layer's gate/up launch (see \
+             shared_gate_up_rides)",
+            layout.layer
+        );
+    }
+    let ng = n + usize::from(shared_gu.is_some());
+    let (gb, gt, gsh, rpb_g) = match gate_up_tiled {
+        Some((bits, shmem)) => plan(inter, 2, h, bits, shmem, ng),
         None => {
             let r = rows_per_block(inter * n, BLOCKS_WANTED);
             (blocks(inter, r), 256, staged(gu, h), r)
@@ -882,9 +932,11 @@ pub fn launch_experts(
         }
     };
     let sh = shared.unwrap_or(SharedDown { data: 0, scales: 0, biases: 0, group_size: 1, gate: 0, up: 0, out: 0 });
+    let shg =
+        shared_gu.unwrap_or(SharedGateUp { gate: (0, 0, 0), up: (0, 0, 0), group_size: 1, gate_out: 0, up_out: 0 });
     g.launch(
         &gk,
-        (gb, n as u32, 1),
+        (gb, ng as u32, 1),
         gt,
         gsh,
         &[
@@ -903,6 +955,15 @@ pub fn launch_experts(
             Arg::U64(off(layout.up_proj.scales)),
             Arg::U64(off(layout.up_proj.biases)),
             Arg::Ptr(io.stamp),
+            Arg::Ptr(shg.gate.0),
+            Arg::Ptr(shg.gate.1),
+            Arg::Ptr(shg.gate.2),
+            Arg::Ptr(shg.up.0),
+            Arg::Ptr(shg.up.1),
+            Arg::Ptr(shg.up.2),
+            Arg::I32(shg.group_size as i32),
+            Arg::Ptr(shg.gate_out),
+            Arg::Ptr(shg.up_out),
         ],
     )?;
     between()?;
@@ -1247,5 +1308,36 @@ mod tests {
         let q3 = Precision::Affine { bits: 3, group_size: 64 };
         let (layout, lin) = rider(3, 64, q3, 2560, 640, 0x7f00_0000);
         assert!(!shared_rides(&layout, 4096 * 700, &lin, dims));
+    }
+
+    #[test]
+    fn the_shared_gate_and_up_ride_along_only_in_the_experts_gate_up_format_and_shape() {
+        let q4 = Precision::Affine { bits: 4, group_size: 64 };
+        let dims = (640, 2560);
+        let lin = |p: Precision, rows: usize, cols: usize, at: u64| DevLinear {
+            precision: p,
+            rows,
+            cols,
+            data: at,
+            scales: at + 0x10_0000,
+            biases: at + 0x20_0000,
+        };
+        let (layout, _) = rider(4, 64, q4, 2560, 640, 0);
+        let (g, u) = (lin(q4, 640, 2560, 0x7f00_0000), lin(q4, 640, 2560, 0x7e00_0000));
+        assert!(shared_gate_up_rides(&layout, 4096 * 700, &g, &u, dims));
+        // Either matrix in another format or group size, or another shape (down's), or unaligned.
+        let q8 = Precision::Affine { bits: 8, group_size: 64 };
+        assert!(!shared_gate_up_rides(&layout, 4096 * 700, &lin(q8, 640, 2560, 0x7f00_0000), &u, dims));
+        let g32 = Precision::Affine { bits: 4, group_size: 32 };
+        assert!(!shared_gate_up_rides(&layout, 4096 * 700, &g, &lin(g32, 640, 2560, 0x7e00_0000), dims));
+        assert!(!shared_gate_up_rides(&layout, 4096 * 700, &g, &lin(q4, 2560, 640, 0x7e00_0000), dims));
+        assert!(!shared_gate_up_rides(&layout, 4096 * 700, &g, &lin(q4, 960, 2560, 0x7e00_0000), dims));
+        assert!(!shared_gate_up_rides(&layout, 4096 * 700, &lin(q4, 640, 2560, 0x7f00_0004), &u, dims));
+        // Records not 16 bytes apart, or experts the tiled kernels do not take (3 bits).
+        assert!(!shared_gate_up_rides(&layout, 4096 * 700 + 8, &g, &u, dims));
+        let q3 = Precision::Affine { bits: 3, group_size: 64 };
+        let (layout3, _) = rider(3, 64, q3, 2560, 640, 0);
+        let (g3, u3) = (lin(q3, 640, 2560, 0x7f00_0000), lin(q3, 640, 2560, 0x7e00_0000));
+        assert!(!shared_gate_up_rides(&layout3, 4096 * 700, &g3, &u3, dims));
     }
 }

@@ -78,6 +78,15 @@ extern "C" __global__ void route_topk(const float* logits, const float* bias, fl
     // The synthetic routers' bias is written by the host before the step is queued, never by a
     // kernel (it may be host memory mapped for the device): read before waiting for the logits.
     const float b = bias && (int)threadIdx.x < E ? bias[threadIdx.x] : 0.0f;
+    // So is the resident map (uploaded when the experts were made resident): each thread's entry is
+    // loaded here, not after the ranking, where it was a round trip at the launch's tail
+    // (`ROUTE_MAP_LATE`: there, as before session 20).
+#ifdef ROUTE_MAP_LATE
+    constexpr bool map_early = false;
+#else
+    constexpr bool map_early = true;
+#endif
+    const u64 mapped = map_early && map && (int)threadIdx.x < E ? map[threadIdx.x] : 0ull;
     grid_enter();
     __shared__ float2 r_stats[32];
     __shared__ float r_max[32], r_sum[32];
@@ -168,7 +177,7 @@ extern "C" __global__ void route_topk(const float* logits, const float* bias, fl
             ids[rank] = e;
             if (ids_host) ids_host[rank] = e;
             if (map) {
-                table[rank] = map[e];
+                table[rank] = map_early ? mapped : map[e];
                 rank_entry[rank] = rank;
             }
         }
@@ -271,6 +280,44 @@ __device__ __forceinline__ void expert_gate_up_tiled(const u64* table, int first
                               nullptr, MvNoPre{}, GATE_UP_STAGE_EARLY);
 }
 
+// The shared expert's gate and up projections may ride along as the gate/up launch's last entry
+// (`sh.gw` set: the grid has one entry more than the table's): its dense matrices (the routed
+// experts' gate/up format), x the routed experts' x, its two rows of each tile written apart (the
+// shared down projection, riding along in the down launch, applies silu(gate) * up while it
+// stages). They need nothing the router writes, so those blocks never wait: they run beside the
+// routing, and the router's launch is the router alone. The grid still ends after its
+// predecessor, as every other block of it waits.
+struct SharedGateUp {
+    const u32* gw;
+    const u16* gs;
+    const u16* gb;
+    const u32* uw;
+    const u16* us;
+    const u16* ub;
+    int group;
+    float* gate;
+    float* up;
+};
+
+template <int BITS>
+__device__ __forceinline__ void shared_gate_up_tiled(const float* x, int I, int H, int L, const SharedGateUp sh) {
+    typedef MvFmt<BITS> F;
+    const int C = H / F::CPC, gpr = H / sh.group, gshift = __ffs(sh.group) - 1;
+    const MvMat g{(const uint4*)sh.gw, sh.gs, sh.gb};
+    const MvMat u{(const uint4*)sh.uw, sh.us, sh.ub};
+    mv_core<BITS, MV_GATE_UP>(g, u, x, MV_IN_NONE, I, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,
+                              [&](int tile, const float* v) {
+#pragma unroll
+                                  for (int j = 0; j < 2; j++) {
+                                      if (tile * 2 + j < I) {
+                                          sh.gate[tile * 2 + j] = v[j];
+                                          sh.up[tile * 2 + j] = v[j + 2];
+                                      }
+                                  }
+                              },
+                              nullptr, MvNoPre{}, true);
+}
+
 // The down projection requests its first weights before it waits for the gate/up kernel (mv_core's
 // EARLY): its table entries were written before that kernel (by the router, or uploaded), its
 // records are in place before the launch (resident, or the stream waited for their copies), and
@@ -327,9 +374,12 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
 }
 
 #define EXPERT_KERNELS(B)                                                                                             \
+    /* (shg_*, shu_*, sh_*: the shared expert riding along, tiled kernels only; never set here.) */                 \
     extern "C" __global__ void expert_gate_up_q##B(const u64* table, int first, const float* x, float* act, int I,     \
                                                    int H, int gs, int rpb, u64 g_w, u64 g_s, u64 g_b, u64 u_w,         \
-                                                   u64 u_s, u64 u_b, u64* stamp) { KSPAN;                              \
+                                                   u64 u_s, u64 u_b, u64* stamp, const u32* shg_w, const u16* shg_s,   \
+                                                   const u16* shg_b, const u32* shu_w, const u16* shu_s,               \
+                                                   const u16* shu_b, int sh_gs, float* sh_gate, float* sh_up) { KSPAN; \
         grid_enter();                                                                                                  \
         stamp_first(stamp);                                                                                            \
         expert_gate_up<B>(table, first, x, act, I, H, gs, rpb, g_w, g_s, g_b, u_w, u_s, u_b);                         \
@@ -346,8 +396,18 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
 #define EXPERT_KERNELS_TILED(B, MINB)                                                                                 \
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                          \
         expert_gate_up_q##B(const u64* table, int first, const float* x, float* act, int I, int H, int gs, int rpb,  \
-                            u64 g_w, u64 g_s, u64 g_b, u64 u_w, u64 u_s, u64 u_b, u64* stamp) { KSPAN;                \
+                            u64 g_w, u64 g_s, u64 g_b, u64 u_w, u64 u_s, u64 u_b, u64* stamp, const u32* shg_w,       \
+                            const u16* shg_s, const u16* shg_b, const u32* shu_w, const u16* shu_s, const u16* shu_b, \
+                            int sh_gs, float* sh_gate, float* sh_up) { KSPAN;                                          \
         if (GATE_UP_STAGE_EARLY && (rpb & MV_TILED)) mv_stage_all<B>(x, H);                                          \
+        if (shg_w && blockIdx.y == gridDim.y - 1) {                                                                   \
+            /* The shared expert riding along: no wait (see SharedGateUp). */                                         \
+            grid_release();                                                                                           \
+            if (!GATE_UP_STAGE_EARLY) mv_stage_all<B>(x, H);                                                          \
+            shared_gate_up_tiled<B>(x, I, H, rpb & (MV_TILED - 1),                                                    \
+                                    SharedGateUp{shg_w, shg_s, shg_b, shu_w, shu_s, shu_b, sh_gs, sh_gate, sh_up});   \
+            return;                                                                                                   \
+        }                                                                                                             \
         grid_enter();                                                                                                 \
         stamp_first(stamp);                                                                                           \
         if (rpb & MV_TILED) {                                                                                         \
