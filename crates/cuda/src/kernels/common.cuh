@@ -102,19 +102,6 @@ __device__ __forceinline__ void stamp_first(u64* at) {
     if (at && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *at = global_ns();
 }
 
-// ---- Asynchronous copies into shared memory (`cp.async`, compute capability 8.0 and newer). ----
-//
-// A thread requests 4 bytes from global memory into shared memory without holding a register for
-// them; once it has waited (cp_async_wait_all) it reads them itself. For loads a kernel can issue
-// before its wait whose values it needs only at its end.
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-    u32 s;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(smem));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
 // The usual kernel entry: wait for the previous kernel's results, then let the next one be scheduled.
 __device__ __forceinline__ void grid_enter() {
     grid_wait();

@@ -85,11 +85,8 @@ __device__ __forceinline__ void mv_out(const MvOut& o, int row, int rows, float 
 // knows, inj and xres may overlap, so mv_out's loop waits a round trip to L2 for each stream of each
 // row after the previous store (16 in a row for a tile of 4 rows, while the block waits at its
 // barrier). Same arithmetic as mv_out.
-// `held` (may be null): the logits and rows were loaded into shared memory beforehand (matvec_tiled:
-// the logits, then each stream's N rows), and are read from there.
 template <int N>
-__device__ __forceinline__ void mv_out_rows(const MvOut& o, int row0, int rows, const float* v,
-                                            const float* held = nullptr) {
+__device__ __forceinline__ void mv_out_rows(const MvOut& o, int row0, int rows, const float* v) {
     if (!o.xres || o.hc > MV_HC_MAX) {
 #pragma unroll
         for (int i = 0; i < N; i++) {
@@ -97,17 +94,13 @@ __device__ __forceinline__ void mv_out_rows(const MvOut& o, int row0, int rows, 
         }
         return;
     }
-    // Where the logits and each stream's rows are read from, and a stream's stride there.
-    const float* cs = held ? held : o.inj;
-    const float* xs = held ? held + MV_HC_MAX : o.xres + row0;
-    const size_t stride = held ? (size_t)N : (size_t)rows;
     float c[MV_HC_MAX], xv[MV_HC_MAX][N];
 #pragma unroll
-    for (int s = 0; s < MV_HC_MAX; s++) c[s] = s < o.hc ? cs[s] : 0.0f;
+    for (int s = 0; s < MV_HC_MAX; s++) c[s] = s < o.hc ? o.inj[s] : 0.0f;
 #pragma unroll
     for (int s = 0; s < MV_HC_MAX; s++) {
 #pragma unroll
-        for (int i = 0; i < N; i++) xv[s][i] = s < o.hc && row0 + i < rows ? xs[s * stride + i] : 0.0f;
+        for (int i = 0; i < N; i++) xv[s][i] = s < o.hc && row0 + i < rows ? o.xres[(size_t)s * rows + row0 + i] : 0.0f;
     }
 #pragma unroll
     for (int s = 0; s < MV_HC_MAX; s++) {
@@ -736,16 +729,6 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
     }
 }
 
-// An injecting matvec (the mixers' output projections) requests what its first tile's injection
-// reads, the streams' logits and residual rows, before it waits: both are written at least two
-// launches earlier (the hyper-connection read's down projection and the previous block's
-// injection), and the launch before this one has waited for them. They go into shared memory by
-// `cp.async` (held in registers, they made `matvec_q4` spill), one slot of MV_HOLD floats per tile
-// of the block's pass, for up to MV_HOLD_TILES tiles a pass (more, with few lanes per tile: the
-// loads stay in the epilogue). `MV_OUT_LATE`: all in the epilogue, as before session 20.
-#define MV_HOLD (MV_HC_MAX * (MV_R + 1))
-#define MV_HOLD_TILES 32
-
 // Waits for the previous kernel itself, after requesting its first weights (mv_core's EARLY).
 template <int BITS>
 __device__ __forceinline__ void matvec_tiled(const u32* __restrict__ W, const u16* __restrict__ S,
@@ -754,49 +737,8 @@ __device__ __forceinline__ void matvec_tiled(const u32* __restrict__ W, const u1
     typedef MvFmt<BITS> F;
     const int C = cols / F::CPC, gpr = cols / gs, gshift = __ffs(gs) - 1;
     const MvMat a{(const uint4*)W, S, B};
-#ifdef MV_OUT_LATE
-    constexpr bool HOLD = false;
-#else
-    constexpr bool HOLD = true;
-#endif
-    if constexpr (!HOLD) {
-        mv_core<BITS, MV_PLAIN, true>(a, a, x, in, rows, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,
-                                      [&](int tile, const float* v) { mv_out_rows<MV_R>(y, tile * MV_R, rows, v); });
-        return;
-    }
-    const bool hold = y.xres && y.hc <= MV_HC_MAX;
-    __shared__ float mv_hold[MV_HOLD_TILES][MV_HOLD];
-    // The thread's tile within the block's pass (mv_core's emitting thread: a tile's lane 0 where
-    // units are warps, thread t for the pass's tile t where the unit is the block).
-    // pre gets the first tile the thread hands to emit (mv_core's units: a warp of 32 / L tiles
-    // where L <= 32, else the block): the emit recomputes it rather than hold it across the loop.
-    const auto first_tile = [&]() {
-        const int t = threadIdx.x;
-        return L <= 32 ? (int)(blockIdx.x * (blockDim.x >> 5) + (t >> 5)) * (32 / L) + (t & 31) / L
-                       : (int)(blockIdx.x * (blockDim.x / L)) + t;
-    };
-    auto pre = [&](int t) {
-        const int slot = L <= 32 ? (int)threadIdx.x / L : (int)threadIdx.x;
-        if (!hold || t < 0 || slot >= MV_HOLD_TILES) return;
-        float* h = mv_hold[slot];
-        for (int s = 0; s < y.hc; s++) {
-            cp_async4(h + s, y.inj + s);
-#pragma unroll
-            for (int i = 0; i < MV_R; i++) {
-                const int row = t * MV_R + i;
-                if (row < rows) cp_async4(h + MV_HC_MAX + s * MV_R + i, y.xres + (size_t)s * rows + row);
-            }
-        }
-        cp_async_commit();
-    };
     mv_core<BITS, MV_PLAIN, true>(a, a, x, in, rows, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,
-                            [&](int tile, const float* v) {
-                                const int slot = L <= 32 ? (int)threadIdx.x / L : (int)threadIdx.x;
-                                const bool held = hold && slot < MV_HOLD_TILES && tile == first_tile();
-                                if (held) cp_async_wait_all();
-                                mv_out_rows<MV_R>(y, tile * MV_R, rows, v, held ? mv_hold[slot] : nullptr);
-                            },
-                            nullptr, pre);
+                            [&](int tile, const float* v) { mv_out_rows<MV_R>(y, tile * MV_R, rows, v); });
 }
 
 // ---- Several matrices of one input in one launch, columns optionally split across blocks. ----
