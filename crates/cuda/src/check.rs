@@ -376,6 +376,19 @@ fn rand_linear(
     let cpu = Linear::Affine { fmt, rows, cols, words: &q.words, scales: &q.scales, biases: &q.biases };
     let mut want = vec![0f32; rows];
     cpu.forward(&x[..cols], &mut want);
+    let (lin, bufs) = upload_linear(gpu, &q, fmt, rows, cols)?;
+    Ok((lin, bufs, want))
+}
+
+/// A quantized matrix of `rows` x `cols` in `fmt` uploaded as a dense matrix (with the buffers
+/// that hold it).
+fn upload_linear(
+    gpu: &Gpu,
+    q: &cherenkov_model::quant::QuantizedMatrix,
+    fmt: Affine,
+    rows: usize,
+    cols: usize,
+) -> Result<(DevLinear, Vec<crate::gpu::DevBuf>)> {
     let (dw, ds, db) =
         (gpu.alloc(q.words.len() * 4, "w")?, gpu.alloc(q.scales.len() * 2, "s")?, gpu.alloc(q.biases.len() * 2, "b")?);
     gpu.htod(dw.ptr, &q.words)?;
@@ -389,7 +402,7 @@ fn rand_linear(
         scales: ds.ptr,
         biases: db.ptr,
     };
-    Ok((lin, vec![dw, ds, db], want))
+    Ok((lin, vec![dw, ds, db]))
 }
 
 /// The tiled kernels on the model's shapes: column-split matvecs (few rows, many columns), several
@@ -496,15 +509,16 @@ fn tiled_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
         // Entry 0 alone, then entries 1 and 2 (a nonzero `first`), as the streaming path does.
         crate::weights::launch_experts(gpu, &layout, record_bytes, dtable.ptr, 0, 1, io, (inter, h), &mut || Ok(()))?;
         crate::weights::launch_experts(gpu, &layout, record_bytes, dtable.ptr, 1, 2, io, (inter, h), &mut || Ok(()))?;
+        // The CPU's product of a record matrix of r x c with v.
+        let f = |q: &cherenkov_model::quant::QuantizedMatrix, r: usize, c: usize, v: &[f32]| {
+            let mut y = vec![0f32; r];
+            Linear::Affine { fmt, rows: r, cols: c, words: &q.words, scales: &q.scales, biases: &q.biases }
+                .forward(v, &mut y);
+            y
+        };
         let (mut want_act, mut want_out) = (Vec::new(), Vec::new());
         for &e in &entries {
             let (g, u, d) = &mats[e];
-            let f = |q: &cherenkov_model::quant::QuantizedMatrix, r: usize, c: usize, v: &[f32]| {
-                let mut y = vec![0f32; r];
-                Linear::Affine { fmt, rows: r, cols: c, words: &q.words, scales: &q.scales, biases: &q.biases }
-                    .forward(v, &mut y);
-                y
-            };
             let (gv, uv) = (f(g, inter, h, &x[..h]), f(u, inter, h, &x[..h]));
             let a: Vec<f32> = gv.iter().zip(&uv).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u).collect();
             want_out.extend(f(d, h, inter, &a));
@@ -525,22 +539,7 @@ fn tiled_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
         // record's down projection as a dense matrix, its input silu(gate) * up of two vectors,
         // beside entry 0 (a resident block's first entry; `first` is 0 there).
         let (_, _, d) = &mats[1];
-        let dense = [
-            gpu.alloc(d.words.len() * 4, "check shared down")?,
-            gpu.alloc(d.scales.len() * 2, "check shared down")?,
-            gpu.alloc(d.biases.len() * 2, "check shared down")?,
-        ];
-        gpu.htod(dense[0].ptr, &d.words)?;
-        gpu.htod(dense[1].ptr, &d.scales)?;
-        gpu.htod(dense[2].ptr, &d.biases)?;
-        let lin = crate::weights::DevLinear {
-            precision: Precision::Affine { bits, group_size: gs },
-            rows: h,
-            cols: inter,
-            data: dense[0].ptr,
-            scales: dense[1].ptr,
-            biases: dense[2].ptr,
-        };
+        let (lin, _dense) = upload_linear(gpu, d, fmt, h, inter)?;
         // Its own generator, so the rows above draw what they drew before these rows existed: with
         // the shared rng, the next format's one-row matvec drew an output near zero, whose relative
         // error (4.0e-5) then failed the limit (a one-row relative error is ill-conditioned).
@@ -567,9 +566,7 @@ fn tiled_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
         let io = crate::weights::ExpertIo { shared: Some(shared), ..io };
         crate::weights::launch_experts(gpu, &layout, record_bytes, dtable.ptr, 0, 1, io, (inter, h), &mut || Ok(()))?;
         let a: Vec<f32> = sg.iter().zip(&su).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u).collect();
-        let mut want_shared = vec![0f32; h];
-        Linear::Affine { fmt, rows: h, cols: inter, words: &d.words, scales: &d.scales, biases: &d.biases }
-            .forward(&a, &mut want_shared);
+        let want_shared = f(d, h, inter, &a);
         // The rider's row and entry 0's, which shares its launch; a rider that cannot ride is an error.
         let (got_shared, got_0) = (read(dout.ptr, h)?, read(out.ptr, h)?);
         rows.push(CheckRow {
@@ -587,27 +584,9 @@ fn tiled_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
         // second record's, as dense matrices, on the routed experts' x), beside entry 0: their rows,
         // entry 0's, and the riding down projection's row computed from them.
         let (g1, u1, _) = &mats[1];
-        let mut dense_gu = Vec::new();
-        let mut lin_gu = Vec::new();
-        for q in [g1, u1] {
-            let bufs = [
-                gpu.alloc(q.words.len() * 4, "check shared gate/up")?,
-                gpu.alloc(q.scales.len() * 2, "check shared gate/up")?,
-                gpu.alloc(q.biases.len() * 2, "check shared gate/up")?,
-            ];
-            gpu.htod(bufs[0].ptr, &q.words)?;
-            gpu.htod(bufs[1].ptr, &q.scales)?;
-            gpu.htod(bufs[2].ptr, &q.biases)?;
-            lin_gu.push(crate::weights::DevLinear {
-                precision: Precision::Affine { bits, group_size: gs },
-                rows: inter,
-                cols: h,
-                data: bufs[0].ptr,
-                scales: bufs[1].ptr,
-                biases: bufs[2].ptr,
-            });
-            dense_gu.push(bufs);
-        }
+        let (lin_g, _dense_g) = upload_linear(gpu, g1, fmt, inter, h)?;
+        let (lin_u, _dense_u) = upload_linear(gpu, u1, fmt, inter, h)?;
+        let lin_gu = [lin_g, lin_u];
         let gu_rides = crate::weights::shared_gate_up_rides(&layout, record_bytes, &lin_gu[0], &lin_gu[1], (inter, h));
         let (dg2, du2) = (gpu.alloc(inter * 4, "check shared gate")?, gpu.alloc(inter * 4, "check shared up")?);
         let part = |l: &crate::weights::DevLinear| (l.data, l.scales, l.biases);
@@ -627,12 +606,6 @@ fn tiled_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
             ..io
         };
         crate::weights::launch_experts(gpu, &layout, record_bytes, dtable.ptr, 0, 1, io, (inter, h), &mut || Ok(()))?;
-        let f = |q: &cherenkov_model::quant::QuantizedMatrix, r: usize, c: usize, v: &[f32]| {
-            let mut y = vec![0f32; r];
-            Linear::Affine { fmt, rows: r, cols: c, words: &q.words, scales: &q.scales, biases: &q.biases }
-                .forward(v, &mut y);
-            y
-        };
         let (want_g, want_u) = (f(g1, inter, h, &x[..h]), f(u1, inter, h, &x[..h]));
         let a1: Vec<f32> = want_g.iter().zip(&want_u).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u).collect();
         let want_sd = f(d, h, inter, &a1);
@@ -659,7 +632,6 @@ fn tiled_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
             rel_err: gu_err(&read(dout.ptr, h)?, &want_sd),
             limit: LINEAR_LIMIT,
         });
-        drop(dense_gu);
     }
     // Parts of different formats in one launch (the MoE block: the router and the shared-expert
     // gate at 8 bits, the shared expert's gate and up at 4; here 2 bits too).

@@ -1817,17 +1817,7 @@ impl CudaModel {
                 g.record(&ev[1])?;
             }
             let io = self.expert_io(sc, if stamp { stamps } else { 0 }, ride, self.shared_gate_up_riding(sc, m));
-            crate::weights::launch_experts(
-                &self.gpu,
-                layout,
-                self.store.record_bytes(),
-                table,
-                0,
-                k,
-                io,
-                self.expert_dims(),
-                &mut || Ok(()),
-            )?;
+            self.launch_experts(layout, table, 0, k, &mut || Ok(()), io)?;
             if beside {
                 g.join()?;
             }
@@ -1957,12 +1947,12 @@ impl CudaModel {
         // about 3 us a block on the H200.)
         let whole = stamp && hits == n_gpu && cpu_ranks.is_empty();
         if whole {
-            self.launch_experts(sc, layout, table, 0, hits, &mut || Ok(()), stamps, None)?;
+            self.launch_experts(layout, table, 0, hits, &mut || Ok(()), self.expert_io(sc, stamps, None, None))?;
             st.stamped.push(l);
             st.whole_stamped.push(l);
         } else {
             g.record(&ev[1])?;
-            self.launch_experts(sc, layout, table, 0, hits, &mut || Ok(()), 0, None)?;
+            self.launch_experts(layout, table, 0, hits, &mut || Ok(()), self.expert_io(sc, 0, None, None))?;
             g.record(&ev[2])?;
         }
         if !st.untimed && self.anatomy {
@@ -2019,16 +2009,8 @@ impl CudaModel {
                     }
                     Ok(())
                 };
-                self.launch_experts(
-                    sc,
-                    layout,
-                    table,
-                    hits,
-                    kept - hits,
-                    &mut backs,
-                    if stamp_read { stamps } else { 0 },
-                    None,
-                )?;
+                let io = self.expert_io(sc, if stamp_read { stamps } else { 0 }, None, None);
+                self.launch_experts(layout, table, hits, kept - hits, &mut backs, io)?;
                 if stamp_read {
                     st.stamped.push(l);
                 } else {
@@ -2289,22 +2271,18 @@ impl CudaModel {
         )
     }
 
-    /// The gate/up then the down kernel of table entries `first..first + n`; `between` runs between
-    /// the two launches (the read experts' stream waits for their down projections' copies there);
-    /// `shared`: the shared expert's down projection rides along ([`CudaModel::shared_riding`]).
-    #[allow(clippy::too_many_arguments)]
+    /// The gate/up then the down kernel of table entries `first..first + n`, on `io`
+    /// ([`CudaModel::expert_io`]); `between` runs between the two launches (the read experts' stream
+    /// waits for their down projections' copies there).
     fn launch_experts(
         &self,
-        sc: &Scratch,
         layout: &ExpertLayout,
         table: u64,
         first: usize,
         n: usize,
         between: &mut dyn FnMut() -> Result<()>,
-        stamp: u64,
-        shared: Option<crate::weights::SharedDown>,
+        io: crate::weights::ExpertIo,
     ) -> Result<()> {
-        let io = self.expert_io(sc, stamp, shared, None);
         crate::weights::launch_experts(
             &self.gpu,
             layout,
