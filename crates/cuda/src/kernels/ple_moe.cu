@@ -285,8 +285,8 @@ __device__ __forceinline__ void expert_gate_up_tiled(const u64* table, int first
 // experts' gate/up format), x the routed experts' x, its two rows of each tile written apart (the
 // shared down projection, riding along in the down launch, applies silu(gate) * up while it
 // stages). They need nothing the router writes, so those blocks never wait: they run beside the
-// routing, and the router's launch is the router alone. The grid still ends after its
-// predecessor, as every other block of it waits.
+// routing, and the router's launch carries only the router and the shared expert's gate. The grid
+// still ends after its predecessor, as every other block of it waits.
 struct SharedGateUp {
     const u32* gw;
     const u16* gs;
