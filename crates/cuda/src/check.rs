@@ -298,9 +298,22 @@ fn inject_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
 /// address table written from a map and the rank entries must be the host's exactly.
 fn route_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
     let mut rows = Vec::new();
-    for (e, k) in [(512usize, 10usize), (1024, 32), (1000, 40)] {
+    // Its own generator for the rows from column slices, so the rows before them draw what they
+    // drew before those existed.
+    let mut slice_rng = Rng::new(0x5eed_0020);
+    for (e, k, slices) in [(512usize, 10usize, 0usize), (1024, 32, 0), (1000, 40, 0), (512, 10, 8), (1000, 40, 11)] {
         for tied in [false, true] {
-            let mut logits = rng.normal(e, 2.0);
+            if slices > 0 && tied {
+                continue;
+            }
+            // From slices: the logits are their sum in slice order from 0, as the router launch's
+            // last block adds them up (and route_topk, given the slices).
+            let parts = if slices > 0 { slice_rng.normal(e * slices, 1.0) } else { Vec::new() };
+            let mut logits = if slices > 0 {
+                (0..e).map(|i| (0..slices).fold(0.0f32, |s, j| s + parts[j * e + i])).collect()
+            } else {
+                rng.normal(e, 2.0)
+            };
             if tied {
                 for (i, v) in logits.iter_mut().enumerate() {
                     *v = if i % 9 == 4 { f32::NEG_INFINITY } else { (*v * 2.0).round() / 2.0 + 0.0 };
@@ -311,7 +324,14 @@ fn route_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
             let (dl, dmap) = (gpu.alloc(e * 4, "check logits")?, gpu.alloc(e * 8, "check map")?);
             let (dids, dw) = (gpu.alloc(k * 4, "check ids")?, gpu.alloc(k * 4, "check weights")?);
             let (dtable, dranks) = (gpu.alloc(k * 8, "check table")?, gpu.alloc(k * 4, "check ranks")?);
-            gpu.htod(dl.ptr, &logits)?;
+            let dparts = gpu.alloc(parts.len().max(1) * 4, "check router slices")?;
+            if slices > 0 {
+                // The logits buffer holds something else: only the slices may be read.
+                gpu.htod(dl.ptr, &vec![f32::NAN; e])?;
+                gpu.htod(dparts.ptr, &parts)?;
+            } else {
+                gpu.htod(dl.ptr, &logits)?;
+            }
             gpu.htod(dmap.ptr, &map)?;
             gpu.launch(
                 "route_topk",
@@ -331,6 +351,8 @@ fn route_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
                     Arg::Ptr(dmap.ptr),
                     Arg::Ptr(dtable.ptr),
                     Arg::Ptr(dranks.ptr),
+                    Arg::Ptr(if slices > 0 { dparts.ptr } else { 0 }),
+                    Arg::I32(slices as i32),
                 ],
             )?;
             let (mut ids, mut w, mut table, mut ranks) = (vec![0i32; k], vec![0f32; k], vec![0u64; k], vec![0i32; k]);
@@ -344,7 +366,11 @@ fn route_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
                     ids[r] != id as i32 || table[r] != map[id] || ranks[r] != r as i32
                 })
                 .count();
-            let what = if tied { ", tied" } else { "" };
+            let what = match (tied, slices) {
+                (true, _) => ", tied".to_string(),
+                (false, 0) => String::new(),
+                (false, s) => format!(", from {s} column slices"),
+            };
             rows.push(CheckRow {
                 name: format!("route_topk {e} experts top-{k}{what} (fraction not the host's choice)"),
                 rel_err: wrong as f64 / k as f64,

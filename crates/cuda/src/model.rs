@@ -409,6 +409,10 @@ pub struct CudaModel {
     /// run beside the routing, and the router's launch is the router and the shared expert's gate
     /// alone (`CHERENKOV_NO_SHARED_GATE_UP_RIDE=1`: in the router's launch).
     shared_gate_up_ride: bool,
+    /// The router's launch leaves its column slices unsummed and `route_topk` adds them up as it
+    /// loads its logits ([`crate::weights::matvec_many_deferring`]), so no block of that launch
+    /// waits for the others to sum them (`CHERENKOV_NO_ROUTE_SUM=1`: its last block adds them up).
+    route_sum: bool,
     /// Streaming: a block's read experts are queued before its lookahead's host work where the host
     /// has nothing to wait for (see `moe`; `CHERENKOV_READS_FIRST=0` queues them after it).
     reads_first: bool,
@@ -597,6 +601,7 @@ impl CudaModel {
             shared_beside: std::env::var_os("CHERENKOV_NO_SIDE_STREAM").is_none(),
             shared_ride: std::env::var_os("CHERENKOV_NO_SHARED_RIDE").is_none(),
             shared_gate_up_ride: std::env::var_os("CHERENKOV_NO_SHARED_GATE_UP_RIDE").is_none(),
+            route_sum: std::env::var_os("CHERENKOV_NO_ROUTE_SUM").is_none(),
             reads_first: std::env::var("CHERENKOV_READS_FIRST").map_or(true, |v| v != "0"),
             cut_weak: None,
             cpu_experts: None,
@@ -1660,12 +1665,20 @@ impl CudaModel {
         let beside = resident && self.shared_beside && !rides;
         let router = [(&m.gate, logits.ptr), (&m.shared_expert_gate, sgate.ptr)];
         let shared_gate_up = [(&m.shared_gate_proj, sg.ptr), (&m.shared_up_proj, su.ptr)];
-        // (Its gate and up projections may ride along in the routed experts' gate/up launch.)
-        if shared_later || self.shared_gate_up_riding(sc, m).is_some() {
-            matvec_many(g, sc.inp.ptr, &router)?;
+        // (Its gate and up projections may ride along in the routed experts' gate/up launch.) The
+        // router's column slices are added up by `route_topk` where nothing runs beside it on the
+        // side stream, which could use the same scratch meanwhile (`route_sum`).
+        let parts: &[_] = if shared_later || self.shared_gate_up_riding(sc, m).is_some() {
+            &router
         } else {
-            matvec_many(g, sc.inp.ptr, &[router[0], router[1], shared_gate_up[0], shared_gate_up[1]])?;
-        }
+            &[router[0], router[1], shared_gate_up[0], shared_gate_up[1]]
+        };
+        let slices = if self.route_sum && !beside {
+            crate::weights::matvec_many_deferring(g, sc.inp.ptr, parts)?
+        } else {
+            matvec_many(g, sc.inp.ptr, parts)?;
+            None
+        };
         if beside {
             g.fork()?;
         }
@@ -1673,6 +1686,7 @@ impl CudaModel {
         let (table, ranks, weights) = (mb.tables.at(l * k * 8), mb.ranks.at(l * k * 4), mb.weights.at(l * k * 4));
         self.route(
             logits.ptr,
+            slices,
             bias,
             k,
             mb.ids.at(l * k * 4),
@@ -1711,7 +1725,7 @@ impl CudaModel {
             let w = self.lookahead_width;
             let ids = mb.pred_ids.at(nl * 2 * k * 4);
             let host = mb.pred_host.dev + (nl * 2 * k * 4) as u64;
-            self.route(ahead.ptr, bias, w, ids, mb.pred_weights.at(nl * 2 * k * 4), host, 0, 0, 0)?;
+            self.route(ahead.ptr, None, bias, w, ids, mb.pred_weights.at(nl * 2 * k * 4), host, 0, 0, 0)?;
             self.record_head_event(&ev[5])?;
         }
         // The shared expert's down projection runs while the host reads the routing: silu(gate) * up,
@@ -2238,6 +2252,7 @@ impl CudaModel {
     fn route(
         &self,
         logits: u64,
+        slices: Option<crate::weights::DeferredSlices>,
         bias: u64,
         k: usize,
         ids: u64,
@@ -2267,6 +2282,9 @@ impl CudaModel {
                 Arg::Ptr(map),
                 Arg::Ptr(table),
                 Arg::Ptr(ranks),
+                // The router launch's slices where it left them (`logits` is then not written).
+                Arg::Ptr(slices.map_or(0, |s| s.parts)),
+                Arg::I32(slices.map_or(0, |s| s.slices as i32)),
             ],
         )
     }

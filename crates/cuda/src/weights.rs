@@ -169,7 +169,7 @@ impl DevLinear {
                         let min_blocks = many_kernel(&[bits]).1;
                         let split = split_plan(gpu, self.rows, self.cols, bits, group_size, min_blocks);
                         if split.slices > 1 {
-                            return launch_many(gpu, input, &[(self, y)], &[split], None, None).map(|()| false);
+                            return launch_many(gpu, input, &[(self, y)], &[split], None, None, false).map(|()| false);
                         }
                     }
                     let a = args(group_size, MV_TILED | plan.lanes);
@@ -291,6 +291,8 @@ const MV_R: usize = 4;
 const MV_PARTS: usize = 4;
 /// Partial sums per part of the split kernel (`MV_PART_FLOATS`).
 const MV_PART_FLOATS: usize = 16384;
+/// Floats before the partial sums in the split kernel's scratch (`MV_SCRATCH_HEAD`).
+const MV_SCRATCH_HEAD: usize = 64;
 /// Threads per block of the tiled kernels (at most).
 const MV_THREADS: usize = 256;
 /// Shared memory a multiprocessor gives its blocks (Hopper: 228 KiB, 1 KiB of it reserved per
@@ -519,6 +521,7 @@ fn launch_many(
     plans: &[SplitPlan],
     norm: Option<FoldedNorm>,
     conv: Option<FoldedConv>,
+    defer_first: bool,
 ) -> Result<()> {
     debug_assert!(!parts.is_empty() && parts.len() <= MV_PARTS && parts.len() == plans.len());
     debug_assert!(conv.is_none() || plans[0].slices == 1);
@@ -581,6 +584,7 @@ fn launch_many(
         Some(cv) => args.extend([Arg::Ptr(cv.state), Arg::Ptr(cv.w), Arg::I32(cv.k as i32)]),
         None => args.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::I32(0)]),
     }
+    args.push(Arg::I32(i32::from(defer_first)));
     gpu.launch(kernel, (grid_x as u32, parts.len() as u32, 1), threads as u32, shmem as u32, &args)
 }
 
@@ -622,7 +626,7 @@ pub fn matvec_many_norm(gpu: &Gpu, x: u64, w: u64, parts: &[(&DevLinear, u64)], 
             None => return Ok(false),
         }
     }
-    launch_many(gpu, MatvecInput::OnePlus(x, w), parts, &plans, Some(norm), None)?;
+    launch_many(gpu, MatvecInput::OnePlus(x, w), parts, &plans, Some(norm), None, false)?;
     Ok(true)
 }
 
@@ -661,15 +665,44 @@ pub fn matvec_many(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)]) -> Result<()>
 /// [`fold_conv`]. Returns whether it did; if not, the first part's output is the plain product and
 /// the caller runs the conv.
 pub fn matvec_many_conv(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)], conv: Option<FoldedConv>) -> Result<bool> {
-    let Some(&(first, _)) = parts.first() else { return Ok(false) };
+    matvec_many_with(gpu, x, parts, conv, false).map(|(folded, _)| folded)
+}
+
+/// Where a [`matvec_many_deferring`] launch left its first part's column slices: `slices` of the
+/// part's rows each (slice-major) from `parts` in the split scratch, for the next kernel to add up
+/// in slice order (`route_topk`'s `parts`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeferredSlices {
+    pub parts: u64,
+    pub slices: usize,
+}
+
+/// [`matvec_many`], leaving the first part's column slices unsummed where the launch splits it
+/// (`defer_first` in linear.cu); returns where they are, or None where the first part's output was
+/// written whole. The caller's next kernel must add them up before any other split launch runs
+/// (they share the scratch).
+pub fn matvec_many_deferring(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)]) -> Result<Option<DeferredSlices>> {
+    matvec_many_with(gpu, x, parts, None, true).map(|(_, d)| d)
+}
+
+fn matvec_many_with(
+    gpu: &Gpu,
+    x: u64,
+    parts: &[(&DevLinear, u64)],
+    conv: Option<FoldedConv>,
+    defer_first: bool,
+) -> Result<(bool, Option<DeferredSlices>)> {
+    let Some(&(first, _)) = parts.first() else { return Ok((false, None)) };
     let fused = parts.len() > 1 && parts.iter().all(|(l, _)| l.cols == first.cols && l.tiled_shmem().is_some());
     if !fused {
         for &(l, y) in parts {
             l.matvec(gpu, x, y)?;
         }
-        return Ok(false);
+        return Ok((false, None));
     }
-    let mut folded = false;
+    // Only a single launch defers (a later launch would write the same scratch).
+    let defer_first = defer_first && parts.len() <= MV_PARTS;
+    let (mut folded, mut deferred) = (false, None);
     for (gi, group) in parts.chunks(MV_PARTS).enumerate() {
         let min_blocks = many_kernel(&part_bits(group)).1;
         let mut plans = Vec::with_capacity(group.len());
@@ -691,9 +724,16 @@ pub fn matvec_many_conv(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)], conv: Op
         let conv =
             conv.filter(|c| gi == 0 && plans[0].slices == 1 && c.k > 0 && group[0].0.rows == c.channels && fold_conv());
         folded |= conv.is_some();
-        launch_many(gpu, MatvecInput::Plain(x), group, &plans, None, conv)?;
+        let defer = defer_first && plans[0].slices > 1;
+        launch_many(gpu, MatvecInput::Plain(x), group, &plans, None, conv, defer)?;
+        if defer {
+            deferred = Some(DeferredSlices {
+                parts: gpu.split_scratch.ptr + (MV_SCRATCH_HEAD * 4) as u64,
+                slices: plans[0].slices,
+            });
+        }
     }
-    Ok(folded)
+    Ok((folded, deferred))
 }
 
 /// Where `hc_up_mix` finds the normalised residual.

@@ -829,7 +829,7 @@ template <int BITS, bool NORM>
 __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, const MvIn in, int cols, int gs,
                                                  float* scratch,
                                                  const u32* W, const u16* S, const u16* B, float* y, int rows, int L,
-                                                 int nb, int ks, const MvNorm nrm, const MvConv cv) {
+                                                 int nb, int ks, const MvNorm nrm, const MvConv cv, bool defer) {
     typedef MvFmt<BITS> F;
     if ((int)blockIdx.x >= nb * ks) {  // the whole block: nothing has synchronised yet
         grid_enter();
@@ -870,7 +870,7 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
         __syncthreads();
         mv_conv_rows(cv, y, rows, blockIdx.x, nb, L);
     }
-    if (ks > 1) {
+    if (ks > 1 && !(defer && p == 0)) {
         __shared__ int mv_last;
         unsigned* counter = (unsigned*)scratch + p;
         __threadfence();
@@ -932,14 +932,16 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
 // (x2, xs, op): the input transform (MV_IN_*), applied to every part's x.
 // (norm_group, norm_eps, norm_inv): the folded norm (MvNorm; norm_group 0: none).
 // (conv_state, conv_w, conv_k): the conv folded into part 0 (MvConv; conv_k 0: none).
+// defer_first: part 0's column slices are left unsummed in the scratch for the next kernel, which
+// adds them up itself (the router's: route_topk), so no block waits for the others to sum them.
 #define MATVEC_MANY_ARGS                                                                                      \
     const float *x, const float *x2, float xs, int op, int cols, float *scratch, MV_PART_ARGS(0), MV_PART_ARGS(1), \
         MV_PART_ARGS(2), MV_PART_ARGS(3), int norm_group, float norm_eps, float *norm_inv, float *conv_state,      \
-        const float *conv_w, int conv_k
+        const float *conv_w, int conv_k, int defer_first
 #define MATVEC_MANY_PART(B, NORM)                                                                             \
     matvec_many_part<B, NORM>(x, MvIn{x2, xs, op}, cols, MV_SEL(g), scratch, MV_SEL(W), MV_SEL(S), MV_SEL(Bi),      \
                         MV_SEL(y), MV_SEL(r), MV_SEL(l), MV_SEL(n), MV_SEL(k),                               \
-                        MvNorm{norm_group, norm_eps, norm_inv}, MvConv{conv_state, conv_w, conv_k})
+                        MvNorm{norm_group, norm_eps, norm_inv}, MvConv{conv_state, conv_w, conv_k}, defer_first != 0)
 // (matvec_many_part waits for the previous kernel: mv_core's EARLY.)
 extern "C" __global__ void __launch_bounds__(256, 2) matvec_many(MATVEC_MANY_ARGS) {
     KSPAN;

@@ -71,9 +71,14 @@ __device__ __forceinline__ u32 route_key(float v) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// With ks > 1 the logits are the router launch's column slices, left unsummed (matvec_many's
+// `defer_first`): `parts` holds ks slices of E partial sums, which each thread adds up for its
+// expert in slice order from 0, as that launch's last block would have, a batch of
+// ROUTE_SUM_BATCH slices' loads in flight at a time.
+#define ROUTE_SUM_BATCH 8
 extern "C" __global__ void route_topk(const float* logits, const float* bias, float model_w, int E, int k, int norm,
                                       int* ids, float* weights, int* ids_host, const u64* map, u64* table,
-                                      int* rank_entry) {
+                                      int* rank_entry, const float* parts, int ks) {
     KSPAN;
     // The synthetic routers' bias is written by the host before the step is queued, never by a
     // kernel (it may be host memory mapped for the device): read before waiting for the logits.
@@ -97,7 +102,20 @@ extern "C" __global__ void route_topk(const float* logits, const float* bias, fl
     __shared__ float chosen_p[ROUTE_MAX_K];
     const int e = threadIdx.x, lane = e & 31, warp = e >> 5, nw = blockDim.x >> 5;
     const bool valid = e < E;
-    const float l = valid ? logits[e] : 0.0f;
+    float l = 0.0f;
+    if (valid && ks > 1) {
+        for (int k0 = 0; k0 < ks; k0 += ROUTE_SUM_BATCH) {
+            float v[ROUTE_SUM_BATCH];
+#pragma unroll
+            for (int i = 0; i < ROUTE_SUM_BATCH; i++) v[i] = k0 + i < ks ? __ldcg(parts + (size_t)(k0 + i) * E + e) : 0.0f;
+#pragma unroll
+            for (int i = 0; i < ROUTE_SUM_BATCH; i++) {
+                if (k0 + i < ks) l += v[i];
+            }
+        }
+    } else if (valid) {
+        l = logits[e];
+    }
     // With a bias (synthetic routers), the logits count as model_w times their standard score
     // (engine::routing); the mean drops out of softmax and top-k.
     float scale = 1.0f;
