@@ -413,6 +413,11 @@ pub struct CudaModel {
     /// loads its logits ([`crate::weights::matvec_many_deferring`]), so no block of that launch
     /// waits for the others to sum them (`CHERENKOV_NO_ROUTE_SUM=1`: its last block adds them up).
     route_sum: bool,
+    /// The hyper-connection reads' down projection leaves its column slices (one a stream) unsummed,
+    /// and `hc_up_mix` adds them up as it loads its input (`MvLdSlices` in linear.cu), so no block
+    /// of the down launch waits for the others (`CHERENKOV_NO_READ_SUM=1`: its last block adds them
+    /// up).
+    read_sum: bool,
     /// Streaming: a block's read experts are queued before its lookahead's host work where the host
     /// has nothing to wait for (see `moe`; `CHERENKOV_READS_FIRST=0` queues them after it).
     reads_first: bool,
@@ -602,6 +607,7 @@ impl CudaModel {
             shared_ride: std::env::var_os("CHERENKOV_NO_SHARED_RIDE").is_none(),
             shared_gate_up_ride: std::env::var_os("CHERENKOV_NO_SHARED_GATE_UP_RIDE").is_none(),
             route_sum: std::env::var_os("CHERENKOV_NO_ROUTE_SUM").is_none(),
+            read_sum: std::env::var_os("CHERENKOV_NO_READ_SUM").is_none(),
             reads_first: std::env::var("CHERENKOV_READS_FIRST").map_or(true, |v| v != "0"),
             cut_weak: None,
             cpu_experts: None,
@@ -1356,17 +1362,27 @@ impl CudaModel {
         // Where both kernels apply: the norm folded into the down projection and recomputed by the
         // up projection and mix (two launches, nothing normalised is stored).
         if crate::weights::hc_up_mix_applies(up, hc, h) {
-            let norm = FoldedNorm { group: h, eps: c.rms_norm_eps as f32, inv: sc.hc_inv.ptr };
-            if crate::weights::matvec_many_norm(g, sc.x.ptr, hcw.hc_norm.ptr, &down, norm)? {
-                let normed = Normed::Folded { x: sc.x.ptr, w: hcw.hc_norm.ptr, inv: sc.hc_inv.ptr };
-                crate::weights::hc_up_mix(g, up, input, normed, sc.inp.ptr, hc, h)?;
+            // The down projection's sum left to the up projection where its rows are that one's
+            // inputs (`read_sum`).
+            let defer = self.read_sum && hcw.input_mix_weight_down.rows == up.cols;
+            let norm = FoldedNorm { group: h, eps: c.rms_norm_eps as f32, inv: sc.hc_inv.ptr, defer };
+            let normed = Normed::Folded { x: sc.x.ptr, w: hcw.hc_norm.ptr, inv: sc.hc_inv.ptr };
+            let sum = match crate::weights::matvec_many_norm(g, sc.x.ptr, hcw.hc_norm.ptr, &down, norm)? {
+                crate::weights::NormLaunch::Unfit => None,
+                crate::weights::NormLaunch::Summed => Some(None),
+                crate::weights::NormLaunch::Deferred(d) => Some(Some(d)),
+            };
+            if let Some(sum) = sum {
+                if !crate::weights::hc_up_mix(g, up, input, normed, sc.inp.ptr, hc, h, sum)? {
+                    bail!("hc_up_mix refused a read it applies to");
+                }
                 return Ok(());
             }
         }
         self.rmsnorm(sc.x.ptr, hcw.hc_norm.ptr, sc.normed.ptr, hc, h, c.hc_hidden())?;
         matvec_many(g, sc.normed.ptr, &down)?;
         // The up projection and the mix in one launch where the kernel applies.
-        if crate::weights::hc_up_mix(g, up, input, Normed::Stored(sc.normed.ptr), sc.inp.ptr, hc, h)? {
+        if crate::weights::hc_up_mix(g, up, input, Normed::Stored(sc.normed.ptr), sc.inp.ptr, hc, h, None)? {
             return Ok(());
         }
         hcw.input_mix_weight_up.matvec_in(g, input, sc.mix.ptr)?;

@@ -595,6 +595,20 @@ pub struct FoldedNorm {
     pub group: usize,
     pub eps: f32,
     pub inv: u64,
+    /// Leave the first part's column slices unsummed where there is one a group
+    /// ([`NormLaunch::Deferred`]; `inv` is then not written).
+    pub defer: bool,
+}
+
+/// What [`matvec_many_norm`] queued.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum NormLaunch {
+    /// Nothing: the launch does not apply.
+    Unfit,
+    /// Every part summed (and the groups' 1 / rms written to `inv`).
+    Summed,
+    /// The first part left as one column slice a group, for its consumer ([`hc_up_mix`]).
+    Deferred(DeferredSlices),
 }
 
 /// y_i = W_i n for every part, where n = x / rms(x) * (1 + w) per group of `norm.group` inputs (the
@@ -604,8 +618,14 @@ pub struct FoldedNorm {
 /// (more than `MV_PARTS` parts, parts of other inputs or formats the tiled kernels do not take,
 /// columns that do not split into whole groups): the caller then runs the norm and
 /// [`matvec_many`].
-pub fn matvec_many_norm(gpu: &Gpu, x: u64, w: u64, parts: &[(&DevLinear, u64)], norm: FoldedNorm) -> Result<bool> {
-    let Some(&(first, _)) = parts.first() else { return Ok(false) };
+pub fn matvec_many_norm(
+    gpu: &Gpu,
+    x: u64,
+    w: u64,
+    parts: &[(&DevLinear, u64)],
+    norm: FoldedNorm,
+) -> Result<NormLaunch> {
+    let Some(&(first, _)) = parts.first() else { return Ok(NormLaunch::Unfit) };
     let cols = first.cols;
     if parts.len() > MV_PARTS
         || norm.group == 0
@@ -613,21 +633,27 @@ pub fn matvec_many_norm(gpu: &Gpu, x: u64, w: u64, parts: &[(&DevLinear, u64)], 
         || !(cols / norm.group).is_power_of_two()
         || !parts.iter().all(|(l, _)| l.cols == cols && l.tiled_shmem().is_some())
     {
-        return Ok(false);
+        return Ok(NormLaunch::Unfit);
     }
     // Only `matvec_many` folds a norm (2 blocks per multiprocessor).
     let min_blocks = 2;
     let mut plans = Vec::with_capacity(parts.len());
     for (l, _) in parts {
-        let Precision::Affine { bits, group_size } = l.precision else { return Ok(false) };
+        let Precision::Affine { bits, group_size } = l.precision else { return Ok(NormLaunch::Unfit) };
         // At least one slice per group; doubling keeps the slices inside groups.
         match split_plan_from(gpu, l.rows, cols, bits, group_size, min_blocks, cols / norm.group, 1.0) {
             Some(p) => plans.push(p),
-            None => return Ok(false),
+            None => return Ok(NormLaunch::Unfit),
         }
     }
-    launch_many(gpu, MatvecInput::OnePlus(x, w), parts, &plans, Some(norm), None, false)?;
-    Ok(true)
+    // Deferred where the first part has one slice a group of `MV_R` (hc_up_mix's streams).
+    let defer = norm.defer && cols / norm.group == MV_R && plans[0].slices == MV_R;
+    launch_many(gpu, MatvecInput::OnePlus(x, w), parts, &plans, Some(norm), None, defer)?;
+    if defer {
+        let (parts, ssq) = part0_scratch(gpu);
+        return Ok(NormLaunch::Deferred(DeferredSlices { parts, slices: MV_R, ssq, eps: norm.eps }));
+    }
+    Ok(NormLaunch::Summed)
 }
 
 /// The Gated DeltaNet's causal depthwise conv of `k` taps folded into the first part of a
@@ -675,6 +701,18 @@ pub fn matvec_many_conv(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)], conv: Op
 pub struct DeferredSlices {
     pub parts: u64,
     pub slices: usize,
+    /// The slices' sums of squares where the launch folded a norm ([`matvec_many_norm`]; the
+    /// consumer scales each slice by its group's 1 / rms), else 0.
+    pub ssq: u64,
+    /// The folded norm's epsilon (0 without one).
+    pub eps: f32,
+}
+
+/// The split scratch's slices of part 0 (`MV_SCRATCH_HEAD` floats in) and their sums of squares
+/// (after every part's partial sums).
+fn part0_scratch(gpu: &Gpu) -> (u64, u64) {
+    let s = gpu.split_scratch.ptr;
+    (s + (MV_SCRATCH_HEAD * 4) as u64, s + ((MV_SCRATCH_HEAD + MV_PARTS * MV_PART_FLOATS) * 4) as u64)
 }
 
 /// [`matvec_many`], leaving the first part's column slices unsummed where the launch splits it
@@ -727,10 +765,7 @@ fn matvec_many_with(
         let defer = defer_first && plans[0].slices > 1;
         launch_many(gpu, MatvecInput::Plain(x), group, &plans, None, conv, defer)?;
         if defer {
-            deferred = Some(DeferredSlices {
-                parts: gpu.split_scratch.ptr + (MV_SCRATCH_HEAD * 4) as u64,
-                slices: plans[0].slices,
-            });
+            deferred = Some(DeferredSlices { parts: part0_scratch(gpu).0, slices: plans[0].slices, ssq: 0, eps: 0.0 });
         }
     }
     Ok((folded, deferred))
@@ -755,6 +790,9 @@ pub fn hc_up_mix_applies(up: &DevLinear, hc: usize, h: usize) -> bool {
 /// `out[j]` = mean over the 4 streams s of `sigmoid((W_up in(x))[s h + j]) normed[s h + j]`. Returns
 /// false, queueing nothing, where the kernel does not apply ([`hc_up_mix_applies`]): the caller
 /// then runs the matvec and `hc_mix`.
+/// With `sum` (a [`NormLaunch::Deferred`] read of `up.cols` rows), x is that read's slices, added up
+/// as they are loaded, and `normed` is folded with its 1 / rms computed from the slices.
+#[allow(clippy::too_many_arguments)]
 pub fn hc_up_mix(
     gpu: &Gpu,
     up: &DevLinear,
@@ -763,6 +801,7 @@ pub fn hc_up_mix(
     out: u64,
     hc: usize,
     h: usize,
+    sum: Option<DeferredSlices>,
 ) -> Result<bool> {
     let (Precision::Affine { bits, group_size }, Some(shmem)) = (up.precision, up.tiled_shmem()) else {
         return Ok(false);
@@ -777,6 +816,12 @@ pub fn hc_up_mix(
         Normed::Stored(n) => (n, (0, 0, 0)),
         Normed::Folded { x, w, inv } => (0, (x, w, inv)),
     };
+    if let Some(d) = sum
+        && (stored != 0 || d.slices != MV_R || d.ssq == 0)
+    {
+        bail!("hc_up_mix: a deferred read must have one slice a stream ({MV_R}, not {}) and the folded norm", d.slices);
+    }
+    let d = sum.unwrap_or(DeferredSlices { parts: 0, slices: 0, ssq: 0, eps: 0.0 });
     gpu.launch(
         "hc_up_mix",
         (plan.blocks as u32, 1, 1),
@@ -799,7 +844,10 @@ pub fn hc_up_mix(
             Arg::I32(plan.lanes as i32),
             Arg::Ptr(xr),
             Arg::Ptr(w),
-            Arg::Ptr(inv),
+            Arg::Ptr(if sum.is_some() { 0 } else { inv }),
+            Arg::Ptr(d.parts),
+            Arg::Ptr(d.ssq),
+            Arg::F32(d.eps),
         ],
     )?;
     Ok(true)

@@ -286,12 +286,18 @@ __device__ __forceinline__ float4 mv_ld4(const float* __restrict__ x, int i, boo
     return make_float4(__ldg(x + 4 * i), __ldg(x + 4 * i + 1), __ldg(x + 4 * i + 2), __ldg(x + 4 * i + 3));
 }
 
+// The staging's loader of x: float4 i of x (mv_ld4). A caller whose x is computed as it is loaded
+// passes its own (hc_up_mix: a read's slices added up, MvLdSlices).
+struct MvLdX {
+    __device__ float4 operator()(const float* __restrict__ x, int i, bool aligned) const { return mv_ld4(x, i, aligned); }
+};
+
 // Stages in(x) swizzled into sx4 and the unit sums of in(x) into ssum (all threads of the block
 // take part; blockDim.x is a multiple of 32). With `ssq`, thread 0 also writes there the sum of the
 // squares of x itself (before the transform).
-template <int BITS>
+template <int BITS, class Ld = MvLdX>
 __device__ __forceinline__ void mv_stage(const float* __restrict__ x, const MvIn& in, float4* sx4, float* ssum,
-                                         int cols, float* ssq) {
+                                         int cols, float* ssq, Ld ld = Ld{}) {
     __shared__ float mv_sq[32];
     float sq = 0.0f;
     typedef MvFmt<BITS> F;
@@ -311,7 +317,7 @@ __device__ __forceinline__ void mv_stage(const float* __restrict__ x, const MvIn
         const int i = base + threadIdx.x;
         float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (i < n4) {
-            v = mv_ld4(x, i, aligned);
+            v = ld(x, i, aligned);
             sq += (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w);
             if (in.op != MV_IN_PLAIN) {
                 float4 v2 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -375,8 +381,9 @@ __device__ __forceinline__ int mvd_dp4a(u32 a, u32 b, int c) {
 // Stages in(x) (cols inputs, a multiple of 32) as digits and per-chunk (xs, sum) (all threads of
 // the block take part; blockDim.x is a multiple of 32). With `ssq`, thread 0 also writes there the
 // sum of the squares of x itself (before the transform).
+template <class Ld = MvLdX>
 __device__ __forceinline__ void mvd_stage(const float* __restrict__ x, const MvIn& in, float4* sm, int cols,
-                                          float* ssq) {
+                                          float* ssq, Ld ld = Ld{}) {
     __shared__ float mvd_sq[32];
     float sq = 0.0f;
     const int n4 = cols >> 2, chunks = cols >> 5;
@@ -395,7 +402,7 @@ __device__ __forceinline__ void mvd_stage(const float* __restrict__ x, const MvI
         const int i = base + threadIdx.x;
         float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (i < n4) {
-            v = mv_ld4(x, i, aligned);
+            v = ld(x, i, aligned);
             sq += (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w);
             if (in.op != MV_IN_PLAIN) {
                 float4 v2 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -538,10 +545,12 @@ struct MvNoPre {
     __device__ void operator()(int) const {}
 };
 
-template <int BITS, int MODE, bool EARLY = false, bool INT = true, class Emit, class Pre = MvNoPre>
+// LD: the staging's loader of x (MvLdX).
+template <int BITS, int MODE, bool EARLY = false, bool INT = true, class Emit, class Pre = MvNoPre, class Ld = MvLdX>
 __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const float* __restrict__ x, const MvIn in,
                                         int rows, int C, int Cs, int gpr, int gshift, int L, int blk, int nblk,
-                                        Emit emit, float* ssq = nullptr, Pre pre = Pre{}, bool staged = false) {
+                                        Emit emit, float* ssq = nullptr, Pre pre = Pre{}, bool staged = false,
+                                        Ld ld = Ld{}) {
     typedef MvFmt<BITS> F;
     extern __shared__ float4 mv_smem[];
     __shared__ float red[32][MV_R];
@@ -600,9 +609,9 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
     if (staged) {
         // The caller staged x already (mv_stage_all), before it waited.
     } else if constexpr (DP4A) {
-        mvd_stage(x, in, sx4, cols, ssq);
+        mvd_stage(x, in, sx4, cols, ssq, ld);
     } else {
-        mv_stage<BITS>(x, in, sx4, ssum, cols, ssq);
+        mv_stage<BITS>(x, in, sx4, ssum, cols, ssq, ld);
     }
 
     float tot[MV_R];
@@ -978,11 +987,52 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_many_48(MATVEC_MANY_
 // expression of hc_mix (ops.cu), without storing the mix. With `inv` (the streams' 1 / rms, from a
 // matvec_many with the norm folded in) normed is not stored either: normed[i] = xr[i] inv[s]
 // (1 + w[i]), the expression of rmsnorm_zc (ops.cu), from the residual xr and the norm weight w.
+//
+// With `parts` the read's down projection left its sum to this kernel (matvec_many's defer_first,
+// with the folded norm, one column slice a stream): x is loaded as that sum (MvLdSlices) and the
+// streams' 1 / rms are computed while loading, into `hc_inv` (shared), in place of `inv`.
+struct MvLdSlices {
+    const float* ssq;  // the slices' sums of squares; null: x as it is (mv_ld4)
+    float eps;
+    int H;
+    int cols;
+    float* inv;  // where the thread that loads float4 0 keeps the streams' 1 / rms
+    // Float4 i of sum over slices s of (1 / rms_s) parts[s cols ..]: each slice scaled by its
+    // stream's 1 / rms = rsqrt(ssq_s / H + eps) and added in slice order from 0, the expressions
+    // and order of matvec_many_part's last block; every load of it in flight together.
+    __device__ float4 operator()(const float* __restrict__ x, int i, bool aligned) const {
+        if (!ssq) return mv_ld4(x, i, aligned);
+        float q[MV_R];
+        float4 v[MV_R];
+#pragma unroll
+        for (int s = 0; s < MV_R; s++) {
+            q[s] = __ldcg(ssq + s);
+            v[s] = __ldcg((const float4*)(x + (size_t)s * cols) + i);
+        }
+        float4 r = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int s = 0; s < MV_R; s++) {
+            const float scale = rsqrtf(q[s] / (float)H + eps);
+            if (i == 0) inv[s] = scale;
+            r.x += scale * v[s].x;
+            r.y += scale * v[s].y;
+            r.z += scale * v[s].z;
+            r.w += scale * v[s].w;
+        }
+        return r;
+    }
+};
+
 template <int BITS>
 __device__ __forceinline__ void hc_up_mix_impl(const u32* W, const u16* S, const u16* B, const float* x, const MvIn in,
                                                const float* normed, const float* xr, const float* w,
-                                               const float* inv, float* out, int H, int cols, int gs, int L) {
+                                               const float* inv, float* out, int H, int cols, int gs, int L,
+                                               const float* parts, const float* ssq, float eps, float* hc_inv) {
     typedef MvFmt<BITS> F;
+    if (parts) {
+        x = parts;
+        inv = hc_inv;
+    }
     const int C = cols / F::CPC, gpr = cols / gs, gshift = __ffs(gs) - 1;
     const MvMat a{(const uint4*)W, S, B};
     // (`MV_FLOAT_STREAMS`: the float core here, a measurement variant.)
@@ -1021,25 +1071,27 @@ __device__ __forceinline__ void hc_up_mix_impl(const u32* W, const u16* S, const
                                   }
                                   out[t] = acc / (float)MV_R;
                               },
-                              nullptr, pre);
+                              nullptr, pre, false, MvLdSlices{parts ? ssq : nullptr, eps, H, cols, hc_inv});
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2)
     hc_up_mix(const u32* W, const u16* S, const u16* B, const float* x, const float* x2, float xs, int op,
               const float* normed, float* out, int H, int cols, int gs, int bits, int L, const float* xr,
-              const float* w, const float* inv) {
+              const float* w, const float* inv, const float* parts, const float* ssq, float eps) {
+    // (The streams' 1 / rms where the read's sum was deferred: MvLdSlices.)
+    __shared__ float hc_inv[MV_R];
     KSPAN;
     // (hc_up_mix_impl waits for the previous kernel: mv_core's EARLY.)
     const MvIn in{x2, xs, op};
     switch (bits) {
         case 2:
-            hc_up_mix_impl<2>(W, S, B, x, in, normed, xr, w, inv, out, H, cols, gs, L);
+            hc_up_mix_impl<2>(W, S, B, x, in, normed, xr, w, inv, out, H, cols, gs, L, parts, ssq, eps, hc_inv);
             break;
         case 4:
-            hc_up_mix_impl<4>(W, S, B, x, in, normed, xr, w, inv, out, H, cols, gs, L);
+            hc_up_mix_impl<4>(W, S, B, x, in, normed, xr, w, inv, out, H, cols, gs, L, parts, ssq, eps, hc_inv);
             break;
         default:
-            hc_up_mix_impl<8>(W, S, B, x, in, normed, xr, w, inv, out, H, cols, gs, L);
+            hc_up_mix_impl<8>(W, S, B, x, in, normed, xr, w, inv, out, H, cols, gs, L, parts, ssq, eps, hc_inv);
             break;
     }
 }
