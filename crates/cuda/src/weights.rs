@@ -303,6 +303,39 @@ const MIN_SLICE: usize = 16;
 /// Most column slices of a split matvec.
 const MAX_SLICES: usize = 32;
 
+/// Whether the experts' launches are spread over the multiprocessors (the default;
+/// `CHERENKOV_NO_SPREAD_EXPERTS=1` leaves them as planned). The block scheduler fills some
+/// multiprocessors to their limit and leaves others with one block: the experts' down launch's 220
+/// blocks sat 3 to a multiprocessor on about 24 of them and 1 on about 68 (session 21's
+/// timelines), and a multiprocessor's third block slows its other two. Padding their shared memory
+/// to 2 a multiprocessor took 1.0 us off the down launch and 0.4 off the gate/up's. The same for
+/// `matvec_many` (the GDN in_proj's 258 blocks in a grid of 640) made it 5 us slower: blocks that
+/// do no work and the previous kernel's blocks took the slots, and a few working blocks started
+/// only when others had ended.
+pub fn spread_experts() -> bool {
+    use std::sync::OnceLock;
+    static SPREAD: OnceLock<bool> = OnceLock::new();
+    *SPREAD.get_or_init(|| std::env::var("CHERENKOV_NO_SPREAD_EXPERTS").map_or(true, |v| v != "1"))
+}
+
+/// The dynamic shared memory to ask for a launch of `working` blocks, each using `shmem` bytes, of
+/// a kernel whose `__launch_bounds__` promise `min_blocks` to a multiprocessor, so that no more than
+/// `ceil(working / sms)` of them fit on one (the padding is never read).
+fn spread_shmem(sms: usize, shmem: usize, working: usize, min_blocks: usize) -> usize {
+    spread_shmem_for(sms, shmem, working, (SM_SHARED / (shmem + 2048)).clamp(1, min_blocks))
+}
+
+/// [`spread_shmem`] without the switch: each block takes its bytes and 1 KiB reserved (2 KiB
+/// counted, for the kernels' static arrays), so `cap` blocks fit and `cap + 1` do not.
+fn spread_shmem_for(sms: usize, shmem: usize, working: usize, per_sm: usize) -> usize {
+    let cap = working.div_ceil(sms.max(1)).max(1);
+    if cap >= per_sm {
+        return shmem;
+    }
+    let padded = SM_SHARED / (cap + 1) + 1024;
+    if padded > MAX_STAGED_X || shmem >= padded { shmem } else { padded }
+}
+
 /// Codes per 16-byte chunk.
 fn chunk_codes(bits: u32) -> usize {
     128 / bits as usize
@@ -1019,6 +1052,15 @@ pub fn launch_experts(
             (blocks(h, r), 256, staged(down, inter), r)
         }
     };
+    // The tiled launches are spread out ([`spread_experts`]); the others stay as planned.
+    let spread = |t: Option<(u32, usize)>, shmem: u32, working: usize| match t {
+        Some((bits, _)) if spread_experts() => {
+            spread_shmem(sms(g), shmem as usize, working, if bits == 2 { 2 } else { 3 }) as u32
+        }
+        _ => shmem,
+    };
+    let gsh = spread(gate_up_tiled, gsh, gb as usize * ng);
+    let dsh = spread(tiled(down, inter), dsh, db as usize * nd);
     let sh = shared.unwrap_or(SharedDown { data: 0, scales: 0, biases: 0, group_size: 1, gate: 0, up: 0, out: 0 });
     let shg =
         shared_gu.unwrap_or(SharedGateUp { gate: (0, 0, 0), up: (0, 0, 0), group_size: 1, gate_out: 0, up_out: 0 });
@@ -1287,6 +1329,21 @@ impl DeviceWeights {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn spreading_pads_shared_memory_to_the_blocks_a_multiprocessor_should_take() {
+        let fits = |shmem: usize| SM_SHARED / (shmem + 1024);
+        // The GDN in_proj on an H200: 258 working blocks, 3 fit by registers: 2 to a multiprocessor.
+        let s = spread_shmem_for(132, 20 << 10, 258, 3);
+        assert_eq!(fits(s), 2);
+        // The router's launch, 129 working blocks: 1.
+        assert_eq!(fits(spread_shmem_for(132, 20 << 10, 129, 3)), 1);
+        // Blocks enough for every slot, or staging already as large: unchanged.
+        assert_eq!(spread_shmem_for(132, 20 << 10, 320, 3), 20 << 10);
+        assert_eq!(spread_shmem_for(132, 120 << 10, 129, 2), 120 << 10);
+        // Never past what the kernels may ask for.
+        assert!(spread_shmem_for(8, 1024, 1, 8) <= MAX_STAGED_X);
+    }
 
     /// The released shape's plans on an H200 (132 multiprocessors, the default 512 threads each).
     fn h200(rows: usize, cols: usize, bits: u32, gs: usize, copies: usize, min_blocks: usize) -> TilePlan {
