@@ -21,8 +21,8 @@ def launches(path):
     with open(path) as f:
         next(f)
         for line in f:
-            name, _block, blocks, _sm, start, waited, end = line.rstrip("\n").split("\t")
-            by_kernel[name].append((int(start), int(waited), int(end), int(blocks)))
+            name, _block, blocks, sm, start, waited, end = line.rstrip("\n").split("\t")
+            by_kernel[name].append((int(start), int(waited), int(end), int(blocks), int(sm)))
     for name, recs in by_kernel.items():
         # Blocks that never wait (waited 0: the shared expert riding along) count from their start.
         recs.sort(key=lambda r: (max(r[0], r[1]), r[0]))
@@ -33,13 +33,17 @@ def launches(path):
             i += n
 
 
+def first_wait(part):
+    """When a launch's first block passed its wait (ns; its first start where none waits)."""
+    return min([r[1] for r in part if r[1] > 0] or [r[0] for r in part])
+
+
 def main():
     if len(sys.argv) != 2:
         sys.exit(__doc__)
     rows = collections.defaultdict(list)
     for name, part in launches(sys.argv[1]):
-        waiting = [r[1] for r in part if r[1] > 0] or [r[0] for r in part]
-        w0 = min(waiting)
+        w0 = first_wait(part)
         ends = sorted((r[2] - w0) / 1000 for r in part)
         q = lambda f: ends[round(f * (len(ends) - 1))]
         rows[name].append((q(0.5), q(0.9), ends[-1], ends[-1] - q(0.5)))

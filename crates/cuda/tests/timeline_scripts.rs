@@ -1,0 +1,52 @@
+//! The timeline analysis scripts (`tools/gpu/timeline_tails.py`, `tools/gpu/timeline_sms.py`) on
+//! block records made up here, so that a change to the record format or the grouping shows before
+//! a device call does. Needs `python3` (CI has it).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn script(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/gpu").join(name)
+}
+
+/// The columns of `name`'s row for kernel `k`, run on [`records`].
+fn row_of(name: &str) -> Vec<String> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tl-step1.blocks.tsv");
+    std::fs::write(&path, records()).unwrap();
+    let out = Command::new("python3").arg(script(name)).arg(&path).output().expect("python3 runs");
+    assert!(out.status.success(), "{name} failed: {}", String::from_utf8_lossy(&out.stderr));
+    let out = String::from_utf8(out.stdout).expect("UTF-8 output");
+    let row = out.lines().find(|l| l.starts_with("k ")).unwrap_or_else(|| panic!("no row for k in:\n{out}"));
+    row.split_whitespace().map(str::to_string).collect()
+}
+
+/// One launch of `k` with a grid of 8 blocks: 6 working blocks (3 on multiprocessor 0, one each on
+/// 1, 2 and 3) and 2 that return at once; times in ns, the wait passed at 1000.
+fn records() -> String {
+    let mut s = String::from("kernel\tblock\tblocks\tsm\tstart_ns\twaited_ns\tend_ns\n");
+    let working = [(0, 0, 9000), (1, 0, 9000), (2, 0, 13000), (3, 1, 7000), (4, 2, 7000), (5, 3, 7000)];
+    for (block, sm, end) in working {
+        s += &format!("k\t{block}\t8\t{sm}\t500\t1000\t{end}\n");
+    }
+    for block in [6, 7] {
+        s += &format!("k\t{block}\t8\t4\t900\t1000\t1200\n");
+    }
+    s
+}
+
+#[test]
+fn the_sms_script_counts_working_blocks_per_multiprocessor() {
+    let cols = row_of("timeline_sms.py");
+    // kernel, grid, launches, working blocks, multiprocessors, held 1/2/3/4+, mean end, last end.
+    assert_eq!(cols[1..6], ["8", "1", "6", "4", "3/0/1/0"], "{cols:?}");
+    // Ends after the wait: 8, 8, 12, 6, 6, 6 us.
+    assert_eq!(cols[6..8], ["7.67", "12.00"], "{cols:?}");
+}
+
+#[test]
+fn the_tails_script_reads_the_same_records() {
+    let cols = row_of("timeline_tails.py");
+    // Ends of all 8 blocks: 0.2, 0.2, 6, 6, 6, 8, 8, 12 us; the median's index rounds 3.5 to 4.
+    assert_eq!(cols[1..], ["1", "6.00", "8.00", "12.00", "6.00"], "{cols:?}");
+}
