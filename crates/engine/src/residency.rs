@@ -476,10 +476,56 @@ struct Job {
     demand: bool,
 }
 
+/// Records that are `Loading` or `Ready`, to their slot: a table of every (layer, expert), so a
+/// lookup is an index, not a hash (an acquire makes about twenty of them on the path from a router
+/// to its copies).
+struct SlotIndex {
+    num_experts: usize,
+    slots: Vec<usize>,
+}
+
+impl SlotIndex {
+    const NONE: usize = usize::MAX;
+
+    fn new(layers: usize, num_experts: usize) -> SlotIndex {
+        SlotIndex { num_experts, slots: vec![Self::NONE; layers * num_experts] }
+    }
+
+    /// The table's entry for (layer, expert); an expert past the model's maps to none (past the
+    /// table's end), never to another layer's entry.
+    fn at(&self, &(layer, expert): &(usize, usize)) -> usize {
+        if expert < self.num_experts { layer * self.num_experts + expert } else { usize::MAX }
+    }
+
+    fn get(&self, key: &(usize, usize)) -> Option<&usize> {
+        self.slots.get(self.at(key)).filter(|&&s| s != Self::NONE)
+    }
+
+    fn contains_key(&self, key: &(usize, usize)) -> bool {
+        self.get(key).is_some()
+    }
+
+    fn insert(&mut self, key: (usize, usize), slot: usize) {
+        let at = self.at(&key);
+        self.slots[at] = slot;
+    }
+
+    fn remove(&mut self, key: &(usize, usize)) {
+        let at = self.at(key);
+        self.slots[at] = Self::NONE;
+    }
+
+    /// Every (layer, expert) with a slot, and the slot.
+    fn iter(&self) -> impl Iterator<Item = ((usize, usize), usize)> + '_ {
+        let n = self.num_experts;
+        self.slots.iter().enumerate().filter(|&(_, &s)| s != Self::NONE).map(move |(i, &s)| ((i / n, i % n), s))
+    }
+}
+
 struct Inner {
     slots: Vec<Slot>,
     /// Records that are `Loading` or `Ready`, to their slot.
-    map: HashMap<(usize, usize), usize>,
+    map: SlotIndex,
     /// Free slots; popped from the end (initially in ascending order).
     free: Vec<usize>,
     /// `Ready` slots with no pins, by rank: the first is the victim.
@@ -776,7 +822,7 @@ impl<M: SlotMemory> ExpertPool<M> {
         }
         let inner = Inner {
             slots: (0..slot_count).map(|_| Slot::free()).collect(),
-            map: HashMap::with_capacity(slot_count),
+            map: SlotIndex::new(layers, num_experts),
             free: (0..slot_count).rev().collect(),
             evictable: BTreeMap::new(),
             queue: VecDeque::new(),
@@ -1065,7 +1111,7 @@ impl<M: SlotMemory> ExpertPool<M> {
         let ranked = self.slot_count < self.layers * self.num_experts;
         for (i, &e) in experts.iter().enumerate() {
             if ranked {
-                let s = inner.map[&(layer, e)];
+                let s = *inner.map.get(&(layer, e)).expect("every expert was checked ready above");
                 let rank = inner.use_rank(layer, e, base + i as u64 + 1);
                 let slot = &mut inner.slots[s];
                 // Pinned and released again: an unpinned slot goes back under its new rank.
@@ -1233,7 +1279,7 @@ impl<M: SlotMemory> ExpertPool<M> {
             });
         }
         let mut guard = self.shared.lock();
-        for (&key, &s) in &guard.map {
+        for (key, s) in guard.map.iter() {
             if let Some(t) = &guard.slots[s].ticket {
                 tickets.entry(key).or_insert_with(|| Arc::clone(t));
             }
@@ -1258,7 +1304,9 @@ impl<M: SlotMemory> ExpertPool<M> {
             }
             guard = self.shared.done.wait(guard).unwrap_or_else(|e| e.into_inner());
         }
-        Ok((0..self.layers).map(|l| (0..self.num_experts).map(|e| guard.map[&(l, e)]).collect()).collect())
+        // Every (layer, expert) was found ready above, with the lock held since.
+        let slot = |l, e| *guard.map.get(&(l, e)).expect("every expert is resident");
+        Ok((0..self.layers).map(|l| (0..self.num_experts).map(|e| slot(l, e)).collect()).collect())
     }
 
     /// A snapshot of the counters, the resident count per layer and the slot gauges.
@@ -1528,5 +1576,27 @@ impl<M: SlotMemory> Drop for Lease<'_, M> {
         if wake {
             self.pool.shared.done.notify_all();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SlotIndex;
+
+    #[test]
+    fn the_slot_index_keeps_each_layer_and_expert_apart() {
+        let mut ix = SlotIndex::new(3, 5);
+        assert_eq!(ix.get(&(1, 4)), None);
+        ix.insert((1, 4), 7);
+        ix.insert((2, 0), 0);
+        assert_eq!(ix.get(&(1, 4)), Some(&7));
+        assert_eq!(ix.get(&(2, 0)), Some(&0));
+        // Expert 5 of layer 1 would be entry 10, layer 2's expert 0: never.
+        assert_eq!(ix.get(&(1, 5)), None);
+        assert!(!ix.contains_key(&(3, 0)));
+        assert_eq!(ix.iter().collect::<Vec<_>>(), [((1, 4), 7), ((2, 0), 0)]);
+        ix.remove(&(1, 4));
+        assert!(!ix.contains_key(&(1, 4)));
+        assert_eq!(ix.iter().count(), 1);
     }
 }
