@@ -1333,11 +1333,12 @@ mod tests {
     #[test]
     fn spreading_pads_shared_memory_to_the_blocks_a_multiprocessor_should_take() {
         let fits = |shmem: usize| SM_SHARED / (shmem + 1024);
-        // The GDN in_proj on an H200: 258 working blocks, 3 fit by registers: 2 to a multiprocessor.
-        let s = spread_shmem_for(132, 20 << 10, 258, 3);
+        // Ten experts' down launch on an H200 with the shared expert riding: 220 blocks, 3 fit by
+        // registers: 2 to a multiprocessor.
+        let s = spread_shmem_for(132, 20 << 10, 220, 3);
         assert_eq!(fits(s), 2);
-        // The router's launch, 129 working blocks: 1.
-        assert_eq!(fits(spread_shmem_for(132, 20 << 10, 129, 3)), 1);
+        // A streamed block's read experts, 40 blocks: 1.
+        assert_eq!(fits(spread_shmem_for(132, 20 << 10, 40, 3)), 1);
         // Blocks enough for every slot, or staging already as large: unchanged.
         assert_eq!(spread_shmem_for(132, 20 << 10, 320, 3), 20 << 10);
         assert_eq!(spread_shmem_for(132, 120 << 10, 129, 2), 120 << 10);
