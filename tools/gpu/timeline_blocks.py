@@ -21,7 +21,7 @@ def main():
     with open(path) as f:
         next(f)
         for line in f:
-            name, block, _blocks, sm, start, waited, end = line.rstrip("\n").split("\t")
+            name, block, _blocks, sm, start, waited, end = line.rstrip("\n").split("\t")[:7]
             if name != kernel or int(waited) < 0:
                 continue
             w = int(waited) / 1000

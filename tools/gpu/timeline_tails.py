@@ -21,8 +21,12 @@ def launches(path):
     with open(path) as f:
         next(f)
         for line in f:
-            name, _block, blocks, sm, start, waited, end = line.rstrip("\n").split("\t")
-            by_kernel[name].append((int(start), int(waited), int(end), int(blocks), int(sm)))
+            fields = line.rstrip("\n").split("\t")
+            name, _block, blocks, sm, start, waited, end = fields[:7]
+            # Files written before session 22 have no marked_ns column: -1, as for a block that
+            # never passed its mark.
+            marked = int(fields[7]) if len(fields) > 7 else -1
+            by_kernel[name].append((int(start), int(waited), int(end), int(blocks), int(sm), marked))
     for name, recs in by_kernel.items():
         # Blocks that never wait (waited 0: the shared expert riding along) count from their start.
         recs.sort(key=lambda r: (max(r[0], r[1]), r[0]))

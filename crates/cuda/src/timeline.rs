@@ -33,10 +33,12 @@ pub struct BlockRecord {
     pub block: u32,
     pub blocks: u32,
     pub smid: u32,
-    /// Thread 0's start, its return from `grid_wait` (0 if it never waited), its end; ns.
+    /// Thread 0's start, its return from `grid_wait` (0 if it never waited), its end, and its
+    /// first pass through `tl_mark()` (0 if none); ns.
     pub start: u64,
     pub waited: u64,
     pub end: u64,
+    pub marked: u64,
 }
 
 /// One launch: its blocks' records put together.
@@ -157,19 +159,20 @@ impl Timeline {
         let table = file("tsv");
         std::fs::write(&table, launch_table(&launches, t0, n[0] as usize, kept))
             .with_context(|| format!("cannot write the kernel timeline {}", table.display()))?;
-        let mut blocks = String::from("kernel\tblock\tblocks\tsm\tstart_ns\twaited_ns\tend_ns\n");
+        let mut blocks = String::from("kernel\tblock\tblocks\tsm\tstart_ns\twaited_ns\tend_ns\tmarked_ns\n");
         for r in &recs {
             let name = self.names.get(&r.name).copied().unwrap_or("?");
             let rel = |t: u64| if t == 0 { -1 } else { (t - t0) as i64 };
             let _ = writeln!(
                 blocks,
-                "{name}\t{}\t{}\t{}\t{}\t{}\t{}",
+                "{name}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
                 r.block,
                 r.blocks,
                 r.smid,
                 rel(r.start),
                 rel(r.waited),
-                rel(r.end)
+                rel(r.end),
+                rel(r.marked)
             );
         }
         let path = file("blocks.tsv");
@@ -275,7 +278,7 @@ mod tests {
     use super::*;
 
     fn rec(name: u32, block: u32, blocks: u32, start: u64, waited: u64, end: u64) -> BlockRecord {
-        BlockRecord { name, block, blocks, smid: 0, start, waited, end }
+        BlockRecord { name, block, blocks, smid: 0, start, waited, end, marked: 0 }
     }
 
     #[test]

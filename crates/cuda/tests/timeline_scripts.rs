@@ -1,4 +1,4 @@
-//! The timeline analysis scripts (`tools/gpu/timeline_tails.py`, `tools/gpu/timeline_sms.py`) on
+//! The timeline analysis scripts (`tools/gpu/timeline_tails.py`, `timeline_sms.py`, `timeline_marks.py`) on
 //! block records made up here, so that a change to the record format or the grouping shows before
 //! a device call does. Needs `python3` (CI has it).
 
@@ -11,9 +11,14 @@ fn script(name: &str) -> PathBuf {
 
 /// The columns of `name`'s row for kernel `k`, run on [`records`].
 fn row_of(name: &str) -> Vec<String> {
+    row_in(name, &records())
+}
+
+/// The columns of `name`'s row for kernel `k`, run on `records`.
+fn row_in(name: &str, records: &str) -> Vec<String> {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tl-step1.blocks.tsv");
-    std::fs::write(&path, records()).unwrap();
+    std::fs::write(&path, records).unwrap();
     let out = Command::new("python3").arg(script(name)).arg(&path).output().expect("python3 runs");
     assert!(out.status.success(), "{name} failed: {}", String::from_utf8_lossy(&out.stderr));
     let out = String::from_utf8(out.stdout).expect("UTF-8 output");
@@ -49,4 +54,31 @@ fn the_tails_script_reads_the_same_records() {
     let cols = row_of("timeline_tails.py");
     // Ends of all 8 blocks: 0.2, 0.2, 6, 6, 6, 8, 8, 12 us; the median's index rounds 3.5 to 4.
     assert_eq!(cols[1..], ["1", "6.00", "8.00", "12.00", "6.00"], "{cols:?}");
+}
+
+/// [`records`] as written since session 22, with the marks: the working blocks 0-4 passed theirs
+/// at 2, 2, 4, 3 and 3 us, block 5 and the blocks that return at once never did (-1).
+fn records_marked() -> String {
+    let marks = ["2000", "2000", "4000", "3000", "3000", "-1", "-1", "-1"];
+    let mut lines = records().lines().map(str::to_string).collect::<Vec<_>>();
+    lines[0] += "\tmarked_ns";
+    for (line, mark) in lines[1..].iter_mut().zip(marks) {
+        *line += &format!("\t{mark}");
+    }
+    lines.join("\n") + "\n"
+}
+
+#[test]
+fn the_marks_script_splits_the_marked_blocks_at_their_mark() {
+    let cols = row_in("timeline_marks.py", &records_marked());
+    // kernel, grid, launches, marked working blocks, wait spread, wait-mark, mark-end, last mark-end.
+    assert_eq!(cols[1..4], ["8", "1", "5"], "{cols:?}");
+    // Waits all at 1 us; marks 1, 1, 3, 2, 2 us after them; ends 7, 7, 9, 4, 4 us after the marks.
+    assert_eq!(cols[4..], ["0.00", "1.80", "6.20", "9.00"], "{cols:?}");
+}
+
+#[test]
+fn the_other_scripts_read_records_with_marks() {
+    assert_eq!(row_in("timeline_sms.py", &records_marked()), row_of("timeline_sms.py"));
+    assert_eq!(row_in("timeline_tails.py", &records_marked()), row_of("timeline_tails.py"));
 }

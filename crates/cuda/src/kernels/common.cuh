@@ -31,20 +31,22 @@ __device__ __forceinline__ u64 global_ns() {
 //
 // Every kernel opens with KSPAN. With TIMELINE defined, and while the host has switched recording on
 // (tl_on), thread 0 of every block appends one record when it leaves the kernel: the kernel's name
-// (FNV-1a of it), the block, the grid's size, the multiprocessor, and three clock readings (ns):
-// thread 0's start, its return from grid_wait (the predecessor done), its end. Thread 0 stands for
-// its block: it starts first and, in most kernels, writes the block's result last. Without TIMELINE
-// KSPAN is empty and nothing here is compiled.
+// (FNV-1a of it), the block, the grid's size, the multiprocessor, and four clock readings (ns):
+// thread 0's start, its return from grid_wait (the predecessor done), its first pass through
+// tl_mark() (0 if none: a point inside the kernel's work, such as the end of a matvec's staging),
+// its end. Thread 0 stands for its block: it starts first and, in most kernels, writes the block's
+// result last. Without TIMELINE KSPAN is empty, tl_mark() does nothing and nothing here is compiled.
 #ifdef TIMELINE
 struct TlRec {
     u32 name, block, blocks, smid;
-    u64 start, waited, end;
+    u64 start, waited, end, marked;
 };
 __device__ TlRec* tl_buf;
 __device__ u32 tl_cap;
 __device__ u32 tl_n;
 __device__ u32 tl_on;
 __shared__ u64 tl_waited;
+__shared__ u64 tl_marked;
 
 struct TlSpan {
     const char* name;
@@ -53,6 +55,7 @@ struct TlSpan {
         if (threadIdx.x == 0) {
             start = global_ns();
             tl_waited = 0;
+            tl_marked = 0;
         }
     }
     __device__ ~TlSpan() {
@@ -72,6 +75,7 @@ struct TlSpan {
         r.start = start;
         r.waited = tl_waited;
         r.end = end;
+        r.marked = tl_marked;
         tl_buf[i] = r;
     }
 };
@@ -86,6 +90,13 @@ __device__ __forceinline__ void grid_wait() {
 #endif
 #ifdef TIMELINE
     if (threadIdx.x == 0 && tl_waited == 0) tl_waited = global_ns();
+#endif
+}
+
+// The timeline's mark: thread 0's first pass here (see TlRec).
+__device__ __forceinline__ void tl_mark() {
+#ifdef TIMELINE
+    if (threadIdx.x == 0 && tl_marked == 0) tl_marked = global_ns();
 #endif
 }
 

@@ -613,6 +613,7 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
     } else {
         mv_stage<BITS>(x, in, sx4, ssum, cols, ssq, ld);
     }
+    tl_mark();
 
     float tot[MV_R];
 #pragma unroll

@@ -116,6 +116,7 @@ extern "C" __global__ void route_topk(const float* logits, const float* bias, fl
     } else if (valid) {
         l = logits[e];
     }
+    tl_mark();
     // With a bias (synthetic routers), the logits count as model_w times their standard score
     // (engine::routing); the mean drops out of softmax and top-k.
     float scale = 1.0f;
