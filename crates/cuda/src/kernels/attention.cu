@@ -156,6 +156,12 @@ extern "C" __global__ void attn_prep(const float* qg, float* q, float* gate, con
 // (acc, m, l) to `part` ([heads][splits][d + 2]). The last block of a head group to finish (the
 // counter `count[blockIdx.x]`, reset by that block for the next launch) merges the splits in order:
 // out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M = max m_s.
+//
+// Of the grid's gridDim.y splits only the first attend_splits(n) take tokens (the others return):
+// a split's share costs a round trip to L2 per ATTEND_U tokens, the merge one per ATTEND_MERGE
+// splits, so about sqrt(2 n) splits of sqrt(n / 2) tokens make the fewest in a row. At a 93-token
+// context 32 splits of 3 tokens left the merging block 6 round trips and about 10 us after the
+// others (session 22). `ATTEND_ALL_SPLITS` compiles the grid's splits always.
 #define ATTEND_R 8
 #define ATTEND_U 4
 // Splits whose rows the merging warp loads at once (CHERENKOV_KERNEL_DEFINES=ATTEND_MERGE=1: one at a
@@ -163,6 +169,14 @@ extern "C" __global__ void attn_prep(const float* qg, float* q, float* gate, con
 #ifndef ATTEND_MERGE
 #define ATTEND_MERGE 8
 #endif
+__device__ __forceinline__ int attend_splits(int n, int grid_splits) {
+#ifdef ATTEND_ALL_SPLITS
+    return grid_splits;
+#else
+    return max(1, min(grid_splits, (int)ceilf(sqrtf(2.0f * (float)n))));
+#endif
+}
+
 extern "C" __global__ void attend(const float* __restrict__ q, const float* __restrict__ kc,
                                   const float* __restrict__ vc, const int* __restrict__ idx, int n,
                                   const int* step, float* part, int* count, float* out, int heads, int kv_heads,
@@ -170,10 +184,12 @@ extern "C" __global__ void attend(const float* __restrict__ q, const float* __re
     KSPAN;
     grid_enter();
     const int G = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int S = gridDim.y, s = blockIdx.y;
+    const int s = blockIdx.y;
     const int h = blockIdx.x * G + warp;
     const int hk = h / (heads / kv_heads);
     if (!idx) n = step[1] + 1;
+    const int S = attend_splits(n, gridDim.y);
+    if (s >= S) return;
     const int chunk = (n + S - 1) / S, lo = min(n, s * chunk), hi = min(n, lo + chunk);
     float qr[ATTEND_R], acc[ATTEND_R];
 #pragma unroll
@@ -241,7 +257,7 @@ extern "C" __global__ void attend(const float* __restrict__ q, const float* __re
         }
         m = mn;
     }
-    float* mine = part + ((size_t)h * S + s) * (d + 2);
+    float* mine = part + ((size_t)h * gridDim.y + s) * (d + 2);
 #pragma unroll
     for (int r = 0; r < ATTEND_R; r++) {
         const int j = lane + 32 * r;
@@ -251,6 +267,7 @@ extern "C" __global__ void attend(const float* __restrict__ q, const float* __re
         mine[d] = m;
         mine[d + 1] = l;
     }
+    tl_mark();
     // The last block of the head group merges (the classic fence-and-count reduction).
     __shared__ int last;
     __threadfence();
@@ -262,20 +279,15 @@ extern "C" __global__ void attend(const float* __restrict__ q, const float* __re
     __syncthreads();
     if (!last) return;
     __threadfence();
-    const float* hp = part + (size_t)h * S * (d + 2);
-    // Lane s holds split s's max and sum (S <= 32).
-    const float ms = lane < S ? __ldcg(hp + (size_t)lane * (d + 2) + d) : NEG_INF;
-    const float M = warp_max(ms);
-    const float ws = lane < S ? expf(ms - M) : 0.0f;
-    const float L = warp_sum(lane < S ? ws * __ldcg(hp + (size_t)lane * (d + 2) + d + 1) : 0.0f);
-    float o[ATTEND_R];
-#pragma unroll
-    for (int r = 0; r < ATTEND_R; r++) o[r] = 0.0f;
+    const float* hp = part + (size_t)h * gridDim.y * (d + 2);
     // ATTEND_MERGE splits' rows are loaded at once, then added in split order: a loop that loads
     // one split's row and adds it before loading the next waits a round trip to L2 per split (32
-    // in a row).
-    for (int k0 = 0; k0 < S; k0 += ATTEND_MERGE) {
-        float a[ATTEND_MERGE][ATTEND_R];
+    // in a row). The first batch is loaded with the splits' maxima and sums (lane s holds split
+    // s's, S <= 32), in the same round trip.
+    const float ms = lane < S ? __ldcg(hp + (size_t)lane * (d + 2) + d) : NEG_INF;
+    const float ls = lane < S ? __ldcg(hp + (size_t)lane * (d + 2) + d + 1) : 0.0f;
+    float a[ATTEND_MERGE][ATTEND_R];
+    auto load_batch = [&](int k0) {
 #pragma unroll
         for (int b = 0; b < ATTEND_MERGE; b++) {
             const float* row = hp + (size_t)(k0 + b) * (d + 2);
@@ -285,6 +297,16 @@ extern "C" __global__ void attend(const float* __restrict__ q, const float* __re
                 a[b][r] = k0 + b < S && j < d ? __ldcg(row + j) : 0.0f;
             }
         }
+    };
+    load_batch(0);
+    const float M = warp_max(ms);
+    const float ws = lane < S ? expf(ms - M) : 0.0f;
+    const float L = warp_sum(ws * ls);
+    float o[ATTEND_R];
+#pragma unroll
+    for (int r = 0; r < ATTEND_R; r++) o[r] = 0.0f;
+    for (int k0 = 0; k0 < S; k0 += ATTEND_MERGE) {
+        if (k0 > 0) load_batch(k0);
 #pragma unroll
         for (int b = 0; b < ATTEND_MERGE; b++) {
             const float w = __shfl_sync(0xffffffffu, ws, (k0 + b) & 31);
