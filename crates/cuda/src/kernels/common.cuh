@@ -93,12 +93,20 @@ __device__ __forceinline__ void grid_wait() {
 #endif
 }
 
-// The timeline's mark: thread 0's first pass here (see TlRec).
-__device__ __forceinline__ void tl_mark() {
+// The timeline's mark: thread 0's first pass here (see TlRec). A kernel may have further places
+// for it, numbered: `tl_mark_at(n)` marks where the kernels are compiled with TL_MARK_AT=n
+// (`CHERENKOV_KERNEL_DEFINES=TL_MARK_AT=n` with `CHERENKOV_TIMELINE`, to split a kernel's time at
+// another point; 0, the default, is tl_mark()'s place).
+#ifndef TL_MARK_AT
+#define TL_MARK_AT 0
+#endif
+__device__ __forceinline__ void tl_mark_at(int at) {
 #ifdef TIMELINE
-    if (threadIdx.x == 0 && tl_marked == 0) tl_marked = global_ns();
+    if (at == TL_MARK_AT && threadIdx.x == 0 && tl_marked == 0) tl_marked = global_ns();
 #endif
 }
+
+__device__ __forceinline__ void tl_mark() { tl_mark_at(0); }
 
 __device__ __forceinline__ void grid_release() {
 #if __CUDA_ARCH__ >= 900

@@ -699,7 +699,9 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
             }
         }
         if (it == nit - 1) {
-            // The tile is done: reduce over its L lanes and hand its sums over.
+            // The tile is done: reduce over its L lanes and hand its sums over. (Marks 1 and 2:
+            // thread 0's first tile's products done; its sums handed over.)
+            tl_mark_at(1);
             if (L <= 32) {
 #pragma unroll
                 for (int i = 0; i < MV_R; i++) {
@@ -726,6 +728,7 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
                 }
                 __syncthreads();
             }
+            tl_mark_at(2);
 #pragma unroll
             for (int i = 0; i < MV_R; i++) tot[i] = 0.0f;
         }

@@ -147,6 +147,7 @@ extern "C" __global__ void route_topk(const float* logits, const float* bias, fl
         r_wmax[warp] = wmax;
     }
     __syncthreads();
+    tl_mark_at(1);  // the largest logit's barrier passed
     m = r_max[0];
     for (int w = 1; w < nw; w++) m = fmaxf(m, r_max[w]);
     const float s = warp_sum(valid ? expf(v - m) : 0.0f);
@@ -172,6 +173,7 @@ extern "C" __global__ void route_topk(const float* logits, const float* bias, fl
     const u32 cb = __ballot_sync(0xffffffffu, cand);
     if (lane == 0) r_count[warp] = __popc(cb);
     __syncthreads();
+    tl_mark_at(2);  // the candidates counted
     float sum = 0.0f;
     int before = 0, nc = 0;
     for (int w = 0; w < nw; w++) {
@@ -185,6 +187,7 @@ extern "C" __global__ void route_topk(const float* logits, const float* bias, fl
         cand_id[slot] = e;
     }
     __syncthreads();
+    tl_mark_at(3);  // the candidates packed
     if (cand) {
         int rank = 0;
         for (int i = 0; i < nc; i++) {
@@ -201,6 +204,7 @@ extern "C" __global__ void route_topk(const float* logits, const float* bias, fl
             }
         }
     }
+    tl_mark_at(4);  // thread 0 ranked (and wrote, if chosen)
     __syncthreads();
     if (e < k) {
         // Renormalised over the chosen experts, summed in rank order.
