@@ -17,7 +17,7 @@ import collections
 import statistics
 import sys
 
-from timeline_tails import first_wait, launches
+from timeline_tails import first_wait, launches, working
 
 
 def main():
@@ -26,10 +26,7 @@ def main():
     by_shape = collections.defaultdict(list)
     for name, part in launches(sys.argv[1]):
         w0 = first_wait(part)
-        own = [r[1] if r[1] > 0 else r[0] for r in part]
-        ran = [r[2] - o for r, o in zip(part, own)]
-        longest = max(ran)
-        marked = [(r, o) for r, o, d in zip(part, own, ran) if d > 0.3 * longest and r[5] > 0]
+        marked = [(r, o) for r, o in working(part) if r[5] > 0]
         if not marked:
             continue
         spread = statistics.mean((o - w0) / 1000 for _, o in marked)

@@ -18,7 +18,7 @@ import collections
 import statistics
 import sys
 
-from timeline_tails import first_wait, launches
+from timeline_tails import first_wait, launches, working
 
 
 def main():
@@ -27,12 +27,10 @@ def main():
     by_shape = collections.defaultdict(list)
     for name, part in launches(sys.argv[1]):
         w0 = first_wait(part)
-        ran = [r[2] - (r[1] if r[1] > 0 else r[0]) for r in part]
-        longest = max(ran)
-        working = [r for r, d in zip(part, ran) if d > 0.3 * longest]
-        per_sm = collections.Counter(r[4] for r in working)
-        ends = [(r[2] - w0) / 1000 for r in working]
-        by_shape[(name, len(part))].append((len(working), len(per_sm), collections.Counter(per_sm.values()),
+        work = [r for r, _ in working(part)]
+        per_sm = collections.Counter(r[4] for r in work)
+        ends = [(r[2] - w0) / 1000 for r in work]
+        by_shape[(name, len(part))].append((len(work), len(per_sm), collections.Counter(per_sm.values()),
                                         statistics.mean(ends), max(ends)))
     print(f"{'kernel':22} {'grid':>5} {'launches':>8} {'working':>7} {'SMs':>4}  {'SMs holding 1/2/3/4+ (all launches)':36} {'mean end':>8} {'last end':>8}")
     for (name, grid), v in sorted(by_shape.items(), key=lambda kv: -sum(r[4] for r in kv[1])):

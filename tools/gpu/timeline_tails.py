@@ -42,6 +42,16 @@ def first_wait(part):
     return min([r[1] for r in part if r[1] > 0] or [r[0] for r in part])
 
 
+def working(part):
+    """A launch's working blocks, each with when it passed its wait (its start where it does not
+    wait): those that ran from then longer than 0.3 of the launch's longest. Blocks past a part's
+    end in a `matvec_many` grid return at once and are left out."""
+    own = [r[1] if r[1] > 0 else r[0] for r in part]
+    ran = [r[2] - o for r, o in zip(part, own)]
+    longest = max(ran)
+    return [(r, o) for r, o, d in zip(part, own, ran) if d > 0.3 * longest]
+
+
 def main():
     if len(sys.argv) != 2:
         sys.exit(__doc__)
