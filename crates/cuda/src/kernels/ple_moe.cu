@@ -39,7 +39,7 @@ extern "C" __global__ void ple_conv(const float* gn, const float* gated, float* 
 
 // Router: top-k of v = logits + bias (bias may be null; see model_w below) by v, ties to the lower
 // id; weights are the softmax of v at the chosen experts, renormalised over them when `norm`. One
-// block, one thread per expert (E <= ROUTE_MAX_E, k <= ROUTE_MAX_K), five barriers and no serial rounds:
+// block, one thread per expert (E <= ROUTE_MAX_E, k <= ROUTE_MAX_K), three barriers (four with a bias) and no serial rounds:
 // the softmax's sums go warp by warp through shared memory; every chosen key is at least the k-th
 // largest of the warps' largest keys (k warps hold one that large), so the keys at or above it
 // (usually a few more than k) are packed in shared memory and each finds its rank among them by
@@ -96,7 +96,10 @@ extern "C" __global__ void route_topk(const float* logits, const float* bias, fl
     __shared__ float2 r_stats[32];
     __shared__ float r_max[32], r_sum[32];
     __shared__ u32 r_wmax[32];
+#ifdef ROUTE_PACK_PREFIX
     __shared__ int r_count[32];
+#endif
+    __shared__ int r_nc;
     __shared__ u32 cand_key[ROUTE_MAX_E];
     __shared__ int cand_id[ROUTE_MAX_E];
     __shared__ float chosen_p[ROUTE_MAX_K];
@@ -146,6 +149,7 @@ extern "C" __global__ void route_topk(const float* logits, const float* bias, fl
         r_max[warp] = m;
         r_wmax[warp] = wmax;
     }
+    if (e == 0) r_nc = 0;
     __syncthreads();
     tl_mark_at(1);  // the largest logit's barrier passed
     m = r_max[0];
@@ -168,8 +172,12 @@ extern "C" __global__ void route_topk(const float* logits, const float* bias, fl
     }
     // The candidates (keys at or above the threshold, usually a few more than k) packed in
     // shared memory; each finds its rank among them (ties to the lower id), which is its rank among
-    // all the keys, since every other key is below the threshold.
+    // all the keys, since every other key is below the threshold. A rank compares keys and ids, so
+    // it does not depend on the order of the slots: each candidate takes the next one
+    // (`ROUTE_PACK_PREFIX`: in id order, after a barrier for the warps' counts and their prefix,
+    // one barrier more, as before session 22).
     const bool cand = valid && key >= tau;
+#ifdef ROUTE_PACK_PREFIX
     const u32 cb = __ballot_sync(0xffffffffu, cand);
     if (lane == 0) r_count[warp] = __popc(cb);
     __syncthreads();
@@ -186,8 +194,21 @@ extern "C" __global__ void route_topk(const float* logits, const float* bias, fl
         cand_key[slot] = key;
         cand_id[slot] = e;
     }
+#else
+    if (cand) {
+        const int slot = atomicAdd(&r_nc, 1);
+        cand_key[slot] = key;
+        cand_id[slot] = e;
+    }
+    tl_mark_at(2);  // thread 0's candidate placed, if it is one
+#endif
     __syncthreads();
     tl_mark_at(3);  // the candidates packed
+#ifndef ROUTE_PACK_PREFIX
+    float sum = 0.0f;
+    for (int w = 0; w < nw; w++) sum += r_sum[w];
+    const int nc = r_nc;
+#endif
     if (cand) {
         int rank = 0;
         for (int i = 0; i < nc; i++) {
