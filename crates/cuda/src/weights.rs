@@ -277,7 +277,9 @@ impl DevLinear {
     /// (32 codes, 16 at 8 bits), x and its sums within the staging limit.
     pub fn tiled_shmem(&self) -> Option<usize> {
         match self.precision {
-            Precision::Affine { bits, group_size } if self.data.is_multiple_of(16) => {
+            Precision::Affine { bits, group_size }
+                if self.data.is_multiple_of(16) && offsets_fit_u32(self.rows, self.cols, bits, group_size) =>
+            {
                 tiled_shmem(bits, group_size, self.cols)
             }
             _ => None,
@@ -358,6 +360,13 @@ pub fn tiled_shmem(bits: u32, gs: usize, cols: usize) -> Option<usize> {
         && cols.is_multiple_of(gs)
         && shmem <= MAX_STAGED_X)
         .then_some(shmem)
+}
+
+/// Whether the tiled core's 32-bit offsets (`mv_load` in linear.cu) reach every 16-byte chunk and
+/// every group of a `rows` x `cols` matrix of a `bits`/`gs` format (both counts below 2^32).
+pub fn offsets_fit_u32(rows: usize, cols: usize, bits: u32, gs: usize) -> bool {
+    let most = (cols / chunk_codes(bits)).max(cols / gs.max(1));
+    rows.checked_mul(most).is_some_and(|n| n <= u32::MAX as usize)
 }
 
 /// Multiprocessors of the GPU.
@@ -971,7 +980,8 @@ fn record_tiled(m: &RecordMatrix, cols: usize, record_bytes: usize) -> Option<(u
     match m.precision {
         Precision::Affine { bits, group_size }
             if [Some(m.data), m.scales, m.biases].iter().all(|s| s.is_some_and(|s| s.offset.is_multiple_of(16)))
-                && record_bytes.is_multiple_of(16) =>
+                && record_bytes.is_multiple_of(16)
+                && record_bytes / 2 <= u32::MAX as usize =>
         {
             tiled_shmem(bits, group_size, cols).map(|shmem| (bits, shmem))
         }
@@ -1329,6 +1339,17 @@ impl DeviceWeights {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_tiled_cores_offsets_fit_32_bits_for_the_released_shapes_and_not_beyond() {
+        // lm_head: 248320 x 2560, 4-bit g64: 80 chunks and 40 groups a row.
+        assert!(offsets_fit_u32(248_320, 2560, 4, 64));
+        // 2-bit g32 rows have more groups (80) than chunks (40): the groups count.
+        assert!(offsets_fit_u32((u32::MAX / 80) as usize, 2560, 2, 32));
+        assert!(!offsets_fit_u32((u32::MAX / 80) as usize + 1, 2560, 2, 32));
+        assert!(!offsets_fit_u32(1 << 40, 2560, 4, 64));
+        assert!(!offsets_fit_u32(usize::MAX, 2560, 4, 64), "the product overflows usize");
+    }
 
     #[test]
     fn spreading_pads_shared_memory_to_the_blocks_a_multiprocessor_should_take() {

@@ -477,6 +477,11 @@ struct MvMat {
     const u16* b;
 };
 
+// The type of the tiled core's load offsets: 32 bits, except for the gate/up pair, where 64-bit
+// offsets cost no more instructions and 32-bit ones spill 4 bytes (ptxas, sm_90).
+template <bool WIDE> struct MvOff { typedef u32 T; };
+template <> struct MvOff<true> { typedef size_t T; };
+
 // One step's loads: the chunk `c` of the tile's 4 rows (clamped to the last row) and the scale and
 // bias of each of its units (packed: scale in the low half, bias in the high half).
 template <int BITS, int MODE>
@@ -488,11 +493,15 @@ __device__ __forceinline__ void mv_load(const MvMat& a, const MvMat& bm, int til
         for (int i = 0; i < MV_R; i++) {
             const MvMat& m = (MODE == MV_GATE_UP && i >= 2) ? bm : a;
             const int r = MODE == MV_GATE_UP ? tile * 2 + (i & 1) : MODE == MV_STREAMS ? tile : tile * MV_R + i;
-            const size_t row = (MODE == MV_STREAMS ? (size_t)i * rows : 0) + (size_t)min(r, rows - 1);
-            w[i] = mv_ld_stream(m.w + row * C + c);
+            // 32-bit offsets: the host gives the tiled core only matrices whose chunks and groups
+            // number below 2^32 (weights.rs: offsets_fit_u32). 64-bit ones cost a step about 18
+            // more instructions (benchmark/notes-cuda.md, "Session 23").
+            typedef typename MvOff<MODE == MV_GATE_UP>::T Off;
+            const Off row = (MODE == MV_STREAMS ? (Off)i * rows : (Off)0) + (Off)min(r, rows - 1);
+            w[i] = mv_ld_stream(m.w + (row * (Off)C + (Off)c));
 #pragma unroll
             for (int p = 0; p < F::NSUB; p++) {
-                const size_t g = row * gpr + ((c * F::CPC + p * F::UNIT) >> gshift);
+                const Off g = row * (Off)gpr + ((Off)(c * F::CPC + p * F::UNIT) >> gshift);
                 sb[i * F::NSUB + p] = (u32)__ldg(m.s + g) | ((u32)__ldg(m.b + g) << 16);
             }
         }
