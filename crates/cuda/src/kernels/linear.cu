@@ -903,11 +903,22 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
             __threadfence();
             __shared__ float mv_scale[MV_MAX_SLICES];
             if (NORM && nrm.group > 0) {
-                // Slice k's group and that group's 1 / rms (its slices' sums in slice order).
+                // Slice k's group and that group's 1 / rms (its slices' sums in slice order). Each
+                // slice's sum of squares is loaded by one thread, all in flight together (L2 only,
+                // as the other blocks wrote them), then added up from shared memory
+                // (`MV_SUM_SERIAL`: each thread loads its group's one after another, as before
+                // session 24).
                 const int width = Cs * F::CPC, per = nrm.group / width;
+#ifndef MV_SUM_SERIAL
+                __shared__ float mv_ssq[MV_MAX_SLICES];
+                if ((int)threadIdx.x < ks) mv_ssq[threadIdx.x] = __ldcg(ssq_all + threadIdx.x);
+                __syncthreads();
+                const float* vq = mv_ssq;
+#else
+                const volatile float* vq = ssq_all;
+#endif
                 if ((int)threadIdx.x < ks) {
                     const int k = threadIdx.x, g0s = (k / per) * per;
-                    const volatile float* vq = ssq_all;
                     float sq = 0.0f;
                     for (int i = 0; i < per; i++) sq += vq[g0s + i];
                     const float inv = rsqrtf(sq / (float)nrm.group + nrm.eps);
@@ -916,8 +927,30 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
                 }
                 __syncthreads();
             }
-            // A row's slices are loaded MV_SUM_BATCH at a time, all in flight together (L2 only, as
-            // the other blocks wrote them), then added in slice order.
+            // With the norm folded in, where every row's every slice has a thread (the hyper-connection
+            // read's injection logits: 4 rows in 16 slices), each thread loads one partial sum, all
+            // in flight together, into the staging's shared memory (free now, and at least the
+            // slice's inputs: rows ks <= cols of the slice), and thread r adds its row's up in slice
+            // order from there: one round trip to L2 where the loop below takes one per
+            // MV_SUM_BATCH slices. (In matvec_many_48 the same costs 24 bytes more of spills.)
+            // Otherwise a row's slices are loaded MV_SUM_BATCH at a time, all in flight together (L2
+            // only, as the other blocks wrote them), then added in slice order.
+#ifndef MV_SUM_SERIAL
+            if (NORM && rows * ks <= (int)blockDim.x && rows * ks <= Cs * F::CPC) {
+                extern __shared__ float4 mv_smem[];
+                float* sums = (float*)mv_smem;
+                if ((int)threadIdx.x < rows * ks) sums[threadIdx.x] = __ldcg(part + threadIdx.x);
+                __syncthreads();
+                if ((int)threadIdx.x < rows) {
+                    const int r = threadIdx.x;
+                    float s = 0.0f;
+                    for (int k = 0; k < ks; k++) s += (NORM && nrm.group > 0) ? mv_scale[k] * sums[k * rows + r] : sums[k * rows + r];
+                    y[r] = s;
+                }
+                if (threadIdx.x == 0) *counter = 0u;
+                return;
+            }
+#endif
             for (int r = threadIdx.x; r < rows; r += blockDim.x) {
                 float s = 0.0f;
                 for (int k0 = 0; k0 < ks; k0 += MV_SUM_BATCH) {
