@@ -927,12 +927,13 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
                 }
                 __syncthreads();
             }
-            // With the norm folded in, where every row's every slice has a thread (the hyper-connection
-            // read's injection logits: 4 rows in 16 slices), each thread loads one partial sum, all
-            // in flight together, into the staging's shared memory (free now, and at least the
-            // slice's inputs: rows ks <= cols of the slice), and thread r adds its row's up in slice
-            // order from there: one round trip to L2 where the loop below takes one per
-            // MV_SUM_BATCH slices. (In matvec_many_48 the same costs 24 bytes more of spills.)
+            // In matvec_many (NORM: the kernel that folds norms), where every row's every slice has a
+            // thread (the hyper-connection read's injection logits: 4 rows in 16 slices), each
+            // thread loads one partial sum, all in flight together, into the staging's shared
+            // memory (free now, and at least the slice's inputs: rows ks <= cols of the slice), and
+            // thread r adds its row's up in slice order from there: one round trip to L2 where the
+            // loop below takes one per MV_SUM_BATCH slices. (In matvec_many_48 the same costs 24
+            // bytes more of spills.)
             // Otherwise a row's slices are loaded MV_SUM_BATCH at a time, all in flight together (L2
             // only, as the other blocks wrote them), then added in slice order.
 #ifndef MV_SUM_SERIAL
