@@ -74,10 +74,12 @@ __device__ __forceinline__ u32 route_key(float v) {
 // With ks > 1 the logits are the router launch's column slices, left unsummed (matvec_many's
 // `defer_first`): `parts` holds ks slices of E partial sums, which each thread adds up for its
 // expert in slice order from 0, as that launch's last block would have, a batch of
-// ROUTE_SUM_BATCH slices' loads in flight at a time (a define, so that a run may set it:
-// `CHERENKOV_KERNEL_DEFINES=ROUTE_SUM_BATCH=32`, every slice in one batch).
+// ROUTE_SUM_BATCH slices' loads in flight at a time (a define, so that a run may set it, e.g.
+// `CHERENKOV_KERNEL_DEFINES=ROUTE_SUM_BATCH=8`). 16 (48 registers) took 5.07 us a launch against
+// 5.97 at 8 (32 registers); 32 (80 registers) was faster still in the kernel but slower in tok/s
+// (benchmark/notes-cuda.md, sessions 24 and 25).
 #ifndef ROUTE_SUM_BATCH
-#define ROUTE_SUM_BATCH 8
+#define ROUTE_SUM_BATCH 16
 #endif
 extern "C" __global__ void route_topk(const float* logits, const float* bias, float model_w, int E, int k, int norm,
                                       int* ids, float* weights, int* ids_host, const u64* map, u64* table,
