@@ -86,6 +86,12 @@ pub struct BenchArgs {
     /// Threads of the last cases' CPU expert team (`--cpu-experts`; auto: half the cores).
     #[arg(long, default_value = "auto", value_name = "THREADS")]
     pub cpu_experts: String,
+    /// Runs of the resident case at each of the two depths (alternated) in the full benchmark; each
+    /// depth's middle run by tok/s is reported and fits the per-layer extrapolation, whose
+    /// per-token part one noisy run at half the depth moves by several tok/s at 48 layers.
+    /// `--quick` runs each once (tools/gpu/ab.sh alternates its own rounds).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=15))]
+    pub repeats: u32,
     /// Only the cases that compare two builds: every expert resident (with and without CUDA
     /// graphs, and at half the depth) and the budget's pinned streaming (with and without the
     /// lookahead); no policy study and no peer. Writes bench-<date>-quick.md.
@@ -233,6 +239,16 @@ fn dense_bytes(c: &TextConfig, mtp: usize) -> (u64, u64) {
         }
     }
     (all, read)
+}
+
+/// The middle of `runs` by `rate` (the upper of the two middle ones for an even count), and every
+/// run's rate in run order.
+fn middle_run<T>(mut runs: Vec<T>, rate: impl Fn(&T) -> f64) -> (T, Vec<f64>) {
+    assert!(!runs.is_empty(), "middle_run of no runs");
+    let rates = runs.iter().map(&rate).collect();
+    runs.sort_by(|a, b| rate(a).total_cmp(&rate(b)));
+    let mid = runs.len() / 2;
+    (runs.swap_remove(mid), rates)
 }
 
 /// The part of a step's time that does not grow with depth, from the same step timed at two depths
@@ -518,8 +534,22 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         writeln!(out, "wrote {}", path.display())?;
         return Ok(());
     }
+    // The resident case at both depths, alternated, `--repeats` times: the middle run of each
+    // depth stands for it (and fits the extrapolation below).
+    let half_name = format!("all experts resident, first {} layers only", layers / 2);
+    let mut full_runs = Vec::new();
+    let mut half_runs = Vec::new();
+    for _ in 0..args.repeats {
+        full_runs.push(run_case("all experts resident", resident)?);
+        if layers >= 2 {
+            half_runs.push(run_case(&half_name, Spec { depth: layers / 2, ..resident })?);
+        }
+    }
+    let (full_mid, full_rates) = middle_run(full_runs, |k| k.tok_s);
+    let half_mid = (!half_runs.is_empty()).then(|| middle_run(half_runs, |k| k.tok_s));
+    let half_rates = half_mid.as_ref().map(|(_, r)| r.clone()).unwrap_or_default();
     let mut cases = vec![
-        run_case("all experts resident", resident)?,
+        full_mid,
         // Its blocks' anatomy is the reference for the streamed one's (below); resident blocks
         // read few events.
         run_case("all experts resident, no CUDA graphs", Spec { graphs: false, anatomy: true, ..resident })?,
@@ -532,11 +562,8 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         run_case(&format!("{g} budget, pinned, no lookahead"), Spec { lookahead: false, ..pinned })?,
         run_case(&format!("{g} budget, page cache warm, read by the CPU (not pinned)"), Spec { pin: false, ..pinned })?,
     ];
-    if layers >= 2 {
-        cases.push(run_case(
-            &format!("all experts resident, first {} layers only", layers / 2),
-            Spec { depth: layers / 2, ..resident },
-        )?);
+    if let Some((half, _)) = half_mid {
+        cases.push(half);
     }
     let cpu_threads = crate::load::cpu_expert_threads(&args.cpu_experts)?;
     cases.push(run_case(
@@ -683,6 +710,14 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         if crate::load::auto_pins(experts_full) { "would pin" } else { "would not pin" },
         format_bytes(experts_full)
     ));
+    let list = |r: &[f64]| r.iter().map(|v| format!("{v:.1}")).collect::<Vec<_>>().join(", ");
+    md.push_str(&format!(
+        "The resident rows are each depth's middle run of {} (tok/s in run order, the depths alternated: {} layers {}{}).\n",
+        args.repeats,
+        layers,
+        list(&full_rates),
+        if half_rates.is_empty() { String::new() } else { format!("; {} layers {}", layers / 2, list(&half_rates)) }
+    ));
     md.push_str(
         "Waiting is the host's wait for reads; in the pinned cases the host does not wait for copies, and it is the GPU's, from the resident experts' end to the read experts' start (CUDA events).\n",
     );
@@ -770,6 +805,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         .collect();
     let j = json!({"date": date, "gpu": gpu.info.name, "device_bw": bw.device, "h2d_bw": bw.host_to_device, "layers": c.num_hidden_layers,
                    "experts": c.num_experts, "skew": skew, "roofline_tok_s": roofline, "per_token_ms": per_token_ms, "cases": cases_json,
+                   "resident_runs_tok_s": {"layers": layers, "full": full_rates, "half": half_rates},
                    "policies": policies.iter().map(|(n, h)| json!({"policy": n, "hit_rate": h})).collect::<Vec<_>>(), "policy_uncounted_steps": cases[2].warm_steps, "peer": peer});
     std::fs::write(stem.with_extension("json"), serde_json::to_vec_pretty(&j)?)?;
     writeln!(out, "{md}")?;
@@ -796,6 +832,16 @@ mod tests {
         assert!((tok_s_at_depth(48, 0.0, step(4), 4) - 1e3 * 4.0 / 48.0 / step(4)).abs() < 1e-6);
         // Noise that tilts the line below zero at zero layers gives no negative part.
         assert_eq!(per_token_part(1.0, 4, 0.2, 2), 0.0);
+    }
+
+    #[test]
+    fn the_middle_run_stands_for_its_depth() {
+        let (mid, rates) = middle_run(vec![(0, 690.0), (1, 640.0), (2, 701.0)], |r| r.1);
+        assert_eq!(mid, (0, 690.0));
+        assert_eq!(rates, vec![690.0, 640.0, 701.0]);
+        // Even counts take the upper middle; one run is its own middle.
+        assert_eq!(middle_run(vec![3.0, 1.0, 4.0, 2.0], |&r| r).0, 3.0);
+        assert_eq!(middle_run(vec![5.0], |&r| r), (5.0, vec![5.0]));
     }
 
     #[test]
