@@ -24,7 +24,9 @@
 //! - two launches a read: down on 40 blocks (a warp a row), then up on 160;
 //! - one launch a read: 160 blocks in clusters of C (4, 8 and 16, where 16 can be scheduled).
 //!   Each cluster makes all 320 down rows, a block's share in its shared memory, then gathers them
-//!   after the cluster barrier.
+//!   after the cluster barrier;
+//! - one launch a read without clusters, every block making all 320 down rows itself: the
+//!   contrast, what the redundancy costs without the split.
 //!
 //! Each variant's last outputs must be bit for bit the two launches' (the same arithmetic a row),
 //! else its time is not reported as comparable. It prints microseconds per read, then the floors:
@@ -178,6 +180,24 @@ extern "C" __global__ void __launch_bounds__(256) read_cluster(const signed char
     cluster_wait();
 }
 
+// One launch a read without clusters: every block makes all RANK down rows itself (each reads the
+// whole down matrix, from L2 after the first), the contrast that shows what the clusters' split
+// saves.
+extern "C" __global__ void __launch_bounds__(256) read_redundant(const signed char* __restrict__ wd,
+                                                                  const signed char* __restrict__ wu,
+                                                                  const float* x, float* y) {
+    __shared__ float xsh[DIN];
+    __shared__ float s[RANK];
+    dep_start();
+    stage_x(x, xsh);
+    for (int r = threadIdx.x >> 5; r < RANK; r += blockDim.x >> 5) {
+        const float v = down_row(wd, r, xsh);
+        if ((threadIdx.x & 31) == 0) s[r] = silu(v);
+    }
+    __syncthreads();
+    up_rows(wu, s, y);
+}
+
 // The floors: n cluster barriers in a row; a dependent empty launch.
 extern "C" __global__ void cluster_barriers(int n) {
     dep_start();
@@ -203,7 +223,7 @@ fn probe_kernels_compile() {
         return;
     }
     let p = ptx("sm_90");
-    for k in ["read_down", "read_up", "read_cluster", "cluster_barriers", "empty_stage"] {
+    for k in ["read_down", "read_up", "read_cluster", "read_redundant", "cluster_barriers", "empty_stage"] {
         assert!(p.contains(&format!(".entry {k}(")), "{k} is missing");
     }
     assert!(p.contains("barrier.cluster.arrive") && p.contains("mapa.shared::cluster"));
@@ -275,6 +295,11 @@ fn cluster_probe() {
         let m = cu::module::load_data(cptx.as_ptr() as *const c_void).unwrap();
         let get = |name: &str| cu::module::get_function(m, CString::new(name).unwrap()).unwrap();
         (get("read_down"), get("read_up"), get("read_cluster"), get("cluster_barriers"), get("empty_stage"))
+    };
+    // SAFETY: as above.
+    let fred = unsafe {
+        let m = cu::module::load_data(cptx.as_ptr() as *const c_void).unwrap();
+        cu::module::get_function(m, CString::new("read_redundant").unwrap()).unwrap()
     };
     // SAFETY: plain function attributes of loaded kernels (16-block clusters are non-portable).
     unsafe {
@@ -377,6 +402,30 @@ fn cluster_probe() {
             Err(e) => println!("{what:56} not run: {e:#}"),
         }
     }
+    let redundant = || -> anyhow::Result<()> {
+        for i in 0..READS {
+            // SAFETY: as above.
+            unsafe {
+                launch(
+                    gpu,
+                    fred,
+                    160,
+                    256,
+                    1,
+                    &[Arg::Ptr(wd_at(i)), Arg::Ptr(wu_at(i)), Arg::Ptr(y(i)), Arg::Ptr(y(i + 1))],
+                )?;
+            }
+        }
+        Ok(())
+    };
+    let g = gpu.capture(redundant).unwrap();
+    let same = outputs(&g) == want;
+    println!(
+        "{:56} {:8.2} us/read{}",
+        "one launch a read, 160 blocks each making all down rows",
+        median_us(&g, READS),
+        if same { "" } else { "  [OUTPUTS DIFFER]" }
+    );
     // The floors.
     let reps = 1000usize;
     for c in [4u32, 8, 16] {
