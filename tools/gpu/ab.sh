@@ -7,12 +7,14 @@
 # Each variant is a name and, after a colon, space-separated VAR=value settings for its runs, for
 # example `new` `old:BIN=.carry/cherenkov-base` `late:CHERENKOV_KERNEL_DEFINES=HC_NO_PRELOAD,EXPERT_DOWN_LATE`
 # (kernel defines are separated by commas there). A first run of the first variant warms the store
-# and is not counted; then ROUNDS (default 3) rounds of every variant in turn. Prints each run's
+# and is not counted; then ROUNDS (default 4) rounds of every variant in turn, the order reversed
+# every second round (in session 25's pinned A/Bs the arm that ran first in a round won most of
+# its rounds, so both arms should go first equally often: use an even ROUNDS). Prints each run's
 # tok/s at LAYERS (default 16) and each variant's mean, and writes the runs under $OUT (default
 # ab-out). Single runs spread by about 5% (benchmark/notes-cuda.md): read means over rounds, and a
 # kernel timeline (tools/gpu/timeline_kernels.py) for a kernel's own change.
 set -euo pipefail
-ROUNDS=3
+ROUNDS=4
 CASE=resident
 LAYERS=16
 while getopts r:c:l: o; do
@@ -20,11 +22,11 @@ while getopts r:c:l: o; do
     r) ROUNDS=$OPTARG ;;
     c) CASE=$OPTARG ;;
     l) LAYERS=$OPTARG ;;
-    *) sed -n '2,14p' "$0"; exit 2 ;;
+    *) sed -n '2,15p' "$0"; exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
-[ $# -ge 1 ] || { sed -n '2,14p' "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,15p' "$0"; exit 2; }
 case $CASE in
   resident) knobs="CHERENKOV_BENCH_RESIDENT_ONLY=1"; row="all experts resident" ;;
   pinned) knobs="CHERENKOV_BENCH_PINNED_ONLY=1 CHERENKOV_BENCH_NO_ANATOMY=1"; row="21G budget, page cache warm, expert file pinned" ;;
@@ -46,8 +48,13 @@ run() { # name settings dir
 }
 first=$1
 run "${first%%:*}" "$([ "${first#*:}" != "$first" ] && echo "${first#*:}")" "$OUTDIR/warm-up" > /dev/null
+variants=("$@")
+reversed=()
+for ((i = ${#variants[@]} - 1; i >= 0; i--)); do reversed+=("${variants[$i]}"); done
 for r in $(seq "$ROUNDS"); do
-  for v in "$@"; do
+  order=("${variants[@]}")
+  [ $((r % 2)) -eq 0 ] && order=("${reversed[@]}")
+  for v in "${order[@]}"; do
     name=${v%%:*}
     settings=""
     [ "$name" != "$v" ] && settings=${v#*:}
