@@ -16,9 +16,10 @@
 //! the second launch goes. The price: every cluster reads the small projection's weights, the
 //! first from memory and the others from L2.
 //!
-//! The probe runs the read's shape: down (320 rows, 0.82 MB of 8-bit weights, the bytes of the
-//! real 2-bit 320 x 10240 matrix), silu, then up (10240 rows of 320). It chains READS reads, each
-//! read's input the first 2560 outputs of the one before, in a CUDA graph with programmatic
+//! The probe runs the read's shape: down (320 rows, 1.64 MB of 8-bit weights, the bytes of the
+//! released 4-bit 320 x 10240 matrix less its scales), silu, then up (10240 rows of 320). It
+//! chains READS reads, each read's input the first 5120 outputs of the one before, in a CUDA
+//! graph with programmatic
 //! dependent launch, as the engine's decode steps run. The variants:
 //!
 //! - two launches a read: down on 40 blocks (a warp a row), then up on 160;
@@ -38,16 +39,17 @@ use cherenkov_cuda::gpu::{Arg, Gpu};
 use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 
-/// The read's shape: the down projection's inputs (8-bit, so its bytes are the real 2-bit
+/// The read's shape: the down projection's inputs (8-bit, so its bytes are the released 4-bit
 /// matrix's), its rows (the rank) and the up projection's rows (4 streams of 2560).
-const DIN: usize = 2560;
+const DIN: usize = 5120;
 const RANK: usize = 320;
 const UP: usize = 10240;
 /// Reads chained in one graph.
 const READS: usize = 16;
 
 const SOURCE: &str = r#"
-#define DIN 2560
+#define DIN 5120
+#define DCH (DIN / 16)  // 16-byte chunks of a down row
 #define RANK 320
 #define UP 10240
 
@@ -56,10 +58,10 @@ __device__ __forceinline__ void dep_start() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 
-// x (DIN floats) into shared memory, transposed as in persistent_probe (xsh[t * 160 + c] =
+// x (DIN floats) into shared memory, transposed as in persistent_probe (xsh[t * DCH + c] =
 // x[16 c + t]) so that lane c's 16 weights meet consecutive banks.
 __device__ __forceinline__ void stage_x(const float* x, float* xsh) {
-    for (int i = threadIdx.x; i < DIN; i += blockDim.x) xsh[(i & 15) * 160 + (i >> 4)] = __ldcg(x + i);
+    for (int i = threadIdx.x; i < DIN; i += blockDim.x) xsh[(i & 15) * DCH + (i >> 4)] = __ldcg(x + i);
     __syncthreads();
 }
 
@@ -67,16 +69,16 @@ __device__ __forceinline__ void stage_x(const float* x, float* xsh) {
 __device__ __forceinline__ float down_row(const signed char* __restrict__ wd, int r, const float* xsh) {
     const int lane = threadIdx.x & 31;
     const uint4* row = (const uint4*)(wd + (long long)r * DIN);
-    uint4 q[5];
+    uint4 q[DCH / 32];
 #pragma unroll
-    for (int j = 0; j < 5; j++) q[j] = __ldg(row + lane + 32 * j);
+    for (int j = 0; j < DCH / 32; j++) q[j] = __ldg(row + lane + 32 * j);
     float acc = 0.f;
 #pragma unroll
-    for (int j = 0; j < 5; j++) {
+    for (int j = 0; j < DCH / 32; j++) {
         const signed char* b = (const signed char*)&q[j];
         const float* xv = xsh + lane + 32 * j;
 #pragma unroll
-        for (int t = 0; t < 16; t++) acc += (float)b[t] * xv[t * 160];
+        for (int t = 0; t < 16; t++) acc += (float)b[t] * xv[t * DCH];
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
