@@ -409,6 +409,28 @@ impl Gpu {
         args: &[Arg],
         pdl: bool,
     ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.launch_function_clustered(f, name, grid, block, shmem, args, pdl, 1) }
+    }
+
+    /// [`Gpu::launch_function`] in thread block clusters of `cluster` blocks along x (1: none;
+    /// compute capability 9.0, and `cluster` divides `grid.0`).
+    ///
+    /// # Safety
+    /// As [`Gpu::launch_function`]; with `cluster` above 8 the kernel must allow that
+    /// cluster size (`CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED`).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch_function_clustered(
+        &self,
+        f: sys::CUfunction,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        shmem: u32,
+        args: &[Arg],
+        pdl: bool,
+        cluster: u32,
+    ) -> Result<()> {
         let mut vals: Vec<[u8; 8]> = args
             .iter()
             .map(|a| {
@@ -422,17 +444,28 @@ impl Gpu {
             })
             .collect();
         let mut ptrs: Vec<*mut c_void> = vals.iter_mut().map(|v| v.as_mut_ptr() as *mut c_void).collect();
-        if !pdl {
+        if !pdl && cluster <= 1 {
             // SAFETY: f is a kernel of a loaded module (the caller's contract); every argument is
             // passed by value with the size the kernel declares (8 bytes for pointers/u64, 4 for
             // int/float; the kernel reads only the first 4 bytes of those).
             return unsafe { cu::launch_kernel(f, grid, (block, 1, 1), shmem, self.launch_stream(), &mut ptrs) }
                 .map_err(|e| anyhow::anyhow!("launch of {name} failed: {e}"));
         }
-        // SAFETY: a zeroed attribute is a valid value of this plain C struct.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        // SAFETY: zeroed attributes are valid values of this plain C struct.
+        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        let mut n = 0;
+        if pdl {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n].value.programmaticStreamSerializationAllowed = 1;
+            n += 1;
+        }
+        if cluster > 1 {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attrs[n].value.clusterDim.x = cluster;
+            attrs[n].value.clusterDim.y = 1;
+            attrs[n].value.clusterDim.z = 1;
+            n += 1;
+        }
         let config = sys::CUlaunchConfig {
             gridDimX: grid.0,
             gridDimY: grid.1,
@@ -442,10 +475,10 @@ impl Gpu {
             blockDimZ: 1,
             sharedMemBytes: shmem,
             hStream: self.launch_stream(),
-            attrs: &mut attr,
-            numAttrs: 1,
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: n as u32,
         };
-        // SAFETY: as above; `config` and `attr` outlive the call; the kernel waits for its
+        // SAFETY: as above; `config` and `attrs` outlive the call; the kernel waits for its
         // predecessor before touching memory earlier work writes (the caller's contract).
         unsafe { sys::cuLaunchKernelEx(&config, f, ptrs.as_mut_ptr(), std::ptr::null_mut()) }
             .result()

@@ -231,12 +231,10 @@ fn probe_kernels_compile() {
     assert!(p.contains("barrier.cluster.arrive") && p.contains("mapa.shared::cluster"));
 }
 
-/// Launches `f` on the compute stream with programmatic stream serialization and, where
-/// `cluster` > 1, clusters of that many blocks (the driver's launch API, as `Gpu::launch_function`).
+/// Launches `f` with PDL and, where `cluster` > 1, in clusters of that many blocks.
 ///
 /// # Safety
-/// As `Gpu::launch_function`: `f` is a loaded kernel whose parameters are `args`, and it waits for
-/// its predecessor before reading what earlier work wrote.
+/// As `Gpu::launch_function_clustered`.
 unsafe fn launch(
     gpu: &Gpu,
     f: sys::CUfunction,
@@ -245,43 +243,8 @@ unsafe fn launch(
     cluster: u32,
     args: &[Arg],
 ) -> anyhow::Result<()> {
-    let mut vals: Vec<[u8; 8]> = args
-        .iter()
-        .map(|a| {
-            let mut v = [0u8; 8];
-            match *a {
-                Arg::Ptr(p) | Arg::U64(p) => v.copy_from_slice(&p.to_ne_bytes()),
-                Arg::I32(i) => v[..4].copy_from_slice(&i.to_ne_bytes()),
-                Arg::F32(x) => v[..4].copy_from_slice(&x.to_ne_bytes()),
-            }
-            v
-        })
-        .collect();
-    let mut ptrs: Vec<*mut c_void> = vals.iter_mut().map(|v| v.as_mut_ptr() as *mut c_void).collect();
-    // SAFETY: zeroed attributes are valid values of these plain C structs.
-    let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
-    attrs[0].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attrs[0].value.programmaticStreamSerializationAllowed = 1;
-    attrs[1].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    attrs[1].value.clusterDim.x = cluster;
-    attrs[1].value.clusterDim.y = 1;
-    attrs[1].value.clusterDim.z = 1;
-    let config = sys::CUlaunchConfig {
-        gridDimX: grid,
-        gridDimY: 1,
-        gridDimZ: 1,
-        blockDimX: block,
-        blockDimY: 1,
-        blockDimZ: 1,
-        sharedMemBytes: 0,
-        hStream: gpu.stream,
-        attrs: attrs.as_mut_ptr(),
-        numAttrs: if cluster > 1 { 2 } else { 1 },
-    };
-    // SAFETY: the caller's contract; `config`, `attrs` and the argument values outlive the call.
-    unsafe { sys::cuLaunchKernelEx(&config, f, ptrs.as_mut_ptr(), std::ptr::null_mut()) }
-        .result()
-        .map_err(|e| anyhow::anyhow!("launch failed: {e}"))
+    // SAFETY: the caller's contract.
+    unsafe { gpu.launch_function_clustered(f, "probe kernel", (grid, 1, 1), block, 0, args, true, cluster) }
 }
 
 #[test]
@@ -293,15 +256,17 @@ fn cluster_probe() {
     let cptx = CString::new(ptx(arch)).unwrap();
     gpu.bind().unwrap();
     // SAFETY: a NUL-terminated PTX image; the function names exist in it.
-    let (fdown, fup, fcl, fbar, fempty) = unsafe {
+    let (fdown, fup, fcl, fred, fbar, fempty) = unsafe {
         let m = cu::module::load_data(cptx.as_ptr() as *const c_void).unwrap();
         let get = |name: &str| cu::module::get_function(m, CString::new(name).unwrap()).unwrap();
-        (get("read_down"), get("read_up"), get("read_cluster"), get("cluster_barriers"), get("empty_stage"))
-    };
-    // SAFETY: as above.
-    let fred = unsafe {
-        let m = cu::module::load_data(cptx.as_ptr() as *const c_void).unwrap();
-        cu::module::get_function(m, CString::new("read_redundant").unwrap()).unwrap()
+        (
+            get("read_down"),
+            get("read_up"),
+            get("read_cluster"),
+            get("read_redundant"),
+            get("cluster_barriers"),
+            get("empty_stage"),
+        )
     };
     // SAFETY: plain function attributes of loaded kernels (16-block clusters are non-portable).
     unsafe {
