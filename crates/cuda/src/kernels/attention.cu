@@ -269,16 +269,8 @@ extern "C" __global__ void attend(const float* __restrict__ q, const float* __re
     }
     tl_mark();
     // The last block of the head group merges (the classic fence-and-count reduction).
-    __shared__ int last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(count + blockIdx.x, 1) == S - 1;
-        if (last) count[blockIdx.x] = 0;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (!last_block_of((unsigned*)count + blockIdx.x, (unsigned)S)) return;
+    if (threadIdx.x == 0) count[blockIdx.x] = 0;
     const float* hp = part + (size_t)h * gridDim.y * (d + 2);
     // ATTEND_MERGE splits' rows are loaded at once, then added in split order: a loop that loads
     // one split's row and adds it before loading the next waits a round trip to L2 per split (32
@@ -318,6 +310,7 @@ extern "C" __global__ void attend(const float* __restrict__ q, const float* __re
             }
         }
     }
+    tl_mark_at(6);  // the merge's loads in and added
     const float inv = 1.0f / L;
 #pragma unroll
     for (int r = 0; r < ATTEND_R; r++) {

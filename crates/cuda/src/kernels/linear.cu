@@ -893,14 +893,8 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
         mv_conv_rows(cv, y, rows, blockIdx.x, nb, L);
     }
     if (ks > 1 && !(defer && p == 0)) {
-        __shared__ int mv_last;
         unsigned* counter = (unsigned*)scratch + p;
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) mv_last = atomicAdd(counter, 1u) == (unsigned)(nb * ks - 1);
-        __syncthreads();
-        if (mv_last) {
-            __threadfence();
+        if (last_block_of(counter, (unsigned)(nb * ks))) {
             __shared__ float mv_scale[MV_MAX_SLICES];
             if (NORM && nrm.group > 0) {
                 // Slice k's group and that group's 1 / rms (its slices' sums in slice order). Each
@@ -942,6 +936,7 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
                 float* sums = (float*)mv_smem;
                 if ((int)threadIdx.x < rows * ks) sums[threadIdx.x] = __ldcg(part + threadIdx.x);
                 __syncthreads();
+                tl_mark_at(6);  // the slices' sums in
                 if ((int)threadIdx.x < rows) {
                     const int r = threadIdx.x;
                     float s = 0.0f;
