@@ -31,13 +31,13 @@
 //! the whole of the one before. Every variant's last vector must equal `full`'s bit for bit, else
 //! its time is marked. It prints microseconds per launch.
 //!
-//! Its answer on an H200 (session 26, `benchmark/results/stage-probe-2026-12-01-s26.txt`; three
-//! runs on two machines agreed within 0.1 us): a dependent launch with one round trip is 0.9-1.2
-//! us. For the out_proj's shape (N 6144, G 320) `full` is 2.96, `unroll4` 3.06 (the unrolled loop
-//! still waits a round trip a pass in its SASS), `batch` 1.90, clusters of 16 multicasting 2.30;
-//! gathering from the cluster's shared memory is slower than every block loading all of it (6.3
-//! at clusters of 4). With 5.2 MB of weights requested before the wait, `full+w` 3.59 and
-//! `batch+w` 3.07.
+//! Its answer on an H200 (session 26, `benchmark/results/stage-probe-2026-12-01-s26.txt`; the
+//! columns run in more than one of three calls, each on a fresh machine, agreed within 0.1 us): a
+//! dependent launch with one round trip is 0.9-1.2 us. For the out_proj's shape (N 6144, G 320)
+//! `full` is 2.96, `unroll4` 3.06 (the unrolled loop still waits a round trip a pass in its
+//! SASS), `batch` 1.90, clusters of 16 multicasting 2.30; gathering from the cluster's shared
+//! memory is slower than every block loading all of it (6.3 at clusters of 4). With 5.2 MB of
+//! weights requested before the wait, `full+w` 3.59 and `batch+w` 3.07.
 
 use std::ffi::{CString, c_void};
 
