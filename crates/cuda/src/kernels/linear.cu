@@ -332,7 +332,9 @@ __device__ __forceinline__ void mv_stage(const float* __restrict__ x, const MvIn
             sx4[mv_slot<F::SLOTS>(i / F::SLOTS, i % F::SLOTS)] = v;
             if ((i & (G - 1)) == 0) ssum[i / G] = s;
         }
+        if (base == 0) tl_mark_at(7);  // thread 0's first pass loaded and stored
     }
+    tl_mark_at(8);  // thread 0's passes done, before the block's barrier
     if (ssq) {
         sq = block_sum(sq, mv_sq);  // ends with __syncthreads
         if (threadIdx.x == 0) *ssq = sq;
@@ -440,7 +442,9 @@ __device__ __forceinline__ void mvd_stage(const float* __restrict__ x, const MvI
             w[10] = (u16)__byte_perm((o0 + 32896) >> 16, (o1 + 32896) >> 16, 0x0040);
             if ((i & 7) == 0) meta[c] = make_float2(mx / MVD_QMAX, s);
         }
+        if (base == 0) tl_mark_at(7);  // thread 0's first pass loaded, converted and stored
     }
+    tl_mark_at(8);  // thread 0's passes done, before the block's barrier
     if (ssq) {
         sq = block_sum(sq, mvd_sq);  // ends with __syncthreads
         if (threadIdx.x == 0) *ssq = sq;
