@@ -38,10 +38,9 @@
 //! making all the rows 128.7 us; a cluster barrier 0.2 us, a dependent empty launch 0.49 us. The
 //! boundary between two launches is cheap; a block's share of the redone projection is not.
 
-use std::ffi::{CString, c_void};
+mod probe;
 
 use cherenkov_cuda::gpu::{Arg, Gpu};
-use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 
 /// The read's shape: the down projection's inputs (8-bit, so its bytes are the released 4-bit
@@ -216,23 +215,13 @@ extern "C" __global__ void cluster_barriers(int n) {
 extern "C" __global__ void empty_stage() { dep_start(); }
 "#;
 
-fn ptx(arch: &'static str) -> String {
-    let opts =
-        cudarc::nvrtc::CompileOptions { arch: Some(arch), options: vec!["--std=c++17".into()], ..Default::default() };
-    cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).unwrap_or_else(|e| panic!("{e:?}")).to_src()
-}
+const KERNELS: [&str; 6] =
+    ["read_down", "read_up", "read_cluster", "read_redundant", "cluster_barriers", "empty_stage"];
 
 /// The probe's kernels compile (so the measurement does not fail on the GPU machine for a typo).
 #[test]
 fn probe_kernels_compile() {
-    if !cherenkov_cuda::compile::nvrtc_available() {
-        eprintln!("skipped: NVRTC not found");
-        return;
-    }
-    let p = ptx("sm_90");
-    for k in ["read_down", "read_up", "read_cluster", "read_redundant", "cluster_barriers", "empty_stage"] {
-        assert!(p.contains(&format!(".entry {k}(")), "{k} is missing");
-    }
+    let Some(p) = probe::compiled(SOURCE, &KERNELS) else { return };
     assert!(p.contains("barrier.cluster.arrive") && p.contains("mapa.shared::cluster"));
 }
 
@@ -256,35 +245,11 @@ unsafe fn launch(
 #[ignore = "a measurement on the GPU machine; see the file's header"]
 fn cluster_probe() {
     let gpu = Gpu::new().unwrap();
-    let (maj, min) = gpu.info.compute_capability;
-    let arch = cherenkov_cuda::compile::arch_name(maj, min).unwrap();
-    let cptx = CString::new(ptx(arch)).unwrap();
-    gpu.bind().unwrap();
-    // SAFETY: a NUL-terminated PTX image; the function names exist in it.
-    let (fdown, fup, fcl, fred, fbar, fempty) = unsafe {
-        let m = cu::module::load_data(cptx.as_ptr() as *const c_void).unwrap();
-        let get = |name: &str| cu::module::get_function(m, CString::new(name).unwrap()).unwrap();
-        (
-            get("read_down"),
-            get("read_up"),
-            get("read_cluster"),
-            get("read_redundant"),
-            get("cluster_barriers"),
-            get("empty_stage"),
-        )
-    };
-    // SAFETY: plain function attributes of loaded kernels (16-block clusters are non-portable).
-    unsafe {
-        for f in [fcl, fbar] {
-            sys::cuFuncSetAttribute(
-                f,
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
-                1,
-            )
-            .result()
-            .unwrap();
-        }
-    }
+    let f = probe::load(&gpu, SOURCE, &KERNELS);
+    let (fdown, fup, fcl, fred, fbar, fempty) = (f[0], f[1], f[2], f[3], f[4], f[5]);
+    // 16-block clusters are non-portable.
+    probe::allow_large_clusters(fcl);
+    probe::allow_large_clusters(fbar);
     // Distinct weights for every read (no read finds another's in L2), random-ish bytes.
     let bytes = |n: usize, seed: usize| -> Vec<u8> {
         (0..n).map(|i| ((i + seed).wrapping_mul(2654435761) >> 13) as u8).collect()
@@ -334,22 +299,7 @@ fn cluster_probe() {
             Ok(())
         }
     };
-    // The median of 7 replays, in microseconds per read.
-    let median_us = |graph: &cherenkov_cuda::gpu::Graph, per: usize| {
-        let mut v: Vec<f32> = (0..7)
-            .map(|_| {
-                let a = gpu.event(true).unwrap();
-                let b = gpu.event(true).unwrap();
-                gpu.record(&a).unwrap();
-                gpu.replay(graph).unwrap();
-                gpu.record(&b).unwrap();
-                b.wait().unwrap();
-                b.since(&a).unwrap()
-            })
-            .collect();
-        v.sort_by(f32::total_cmp);
-        v[3] as f64 * 1e3 / per as f64
-    };
+    let median_us = |graph: &cherenkov_cuda::gpu::Graph, per: usize| probe::median_us(gpu, graph, per);
     let outputs = |graph: &cherenkov_cuda::gpu::Graph| -> Vec<u32> {
         gpu.htod(ys.ptr, &vec![0f32; (READS + 1) * UP]).unwrap();
         gpu.htod(ys.ptr, &x0).unwrap();

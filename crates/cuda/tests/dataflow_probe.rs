@@ -31,10 +31,9 @@
 //! own weights and state, so nothing is found in L2. Both ways add in the same order, so their last
 //! outputs must agree bit for bit. It prints microseconds per pair.
 
-use std::ffi::{CString, c_void};
+mod probe;
 
 use cherenkov_cuda::gpu::{Arg, Gpu};
-use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 
 /// Pairs chained in one graph.
@@ -154,25 +153,12 @@ extern "C" __global__ void __launch_bounds__(256, 3) c_flags(const signed char* 
 }
 "#;
 
-fn ptx(arch: &'static str) -> String {
-    let opts =
-        cudarc::nvrtc::CompileOptions { arch: Some(arch), options: vec!["--std=c++17".into()], ..Default::default() };
-    cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).unwrap_or_else(|e| panic!("{e:?}")).to_src()
-}
-
 const KERNELS: [&str; 4] = ["reset_flags", "p_head", "c_wait", "c_flags"];
 
 /// The probe's kernels compile (so the measurement does not fail on the GPU machine for a typo).
 #[test]
 fn probe_kernels_compile() {
-    if !cherenkov_cuda::compile::nvrtc_available() {
-        eprintln!("skipped: NVRTC not found");
-        return;
-    }
-    let p = ptx("sm_90");
-    for k in KERNELS {
-        assert!(p.contains(&format!(".entry {k}(")), "{k} is missing");
-    }
+    let Some(p) = probe::compiled(SOURCE, &KERNELS) else { return };
     assert!(p.contains("ld.relaxed.gpu") && p.contains("st.release.gpu"));
 }
 
@@ -180,15 +166,7 @@ fn probe_kernels_compile() {
 #[ignore = "a measurement on the GPU machine; see the file's header"]
 fn dataflow_probe() {
     let gpu = Gpu::new().unwrap();
-    let (maj, min) = gpu.info.compute_capability;
-    let arch = cherenkov_cuda::compile::arch_name(maj, min).unwrap();
-    let cptx = CString::new(ptx(arch)).unwrap();
-    gpu.bind().unwrap();
-    // SAFETY: a NUL-terminated PTX image; the function names exist in it.
-    let f: Vec<sys::CUfunction> = unsafe {
-        let m = cu::module::load_data(cptx.as_ptr() as *const c_void).unwrap();
-        KERNELS.iter().map(|k| cu::module::get_function(m, CString::new(*k).unwrap()).unwrap()).collect()
-    };
+    let f: Vec<sys::CUfunction> = probe::load(&gpu, SOURCE, &KERNELS);
     let (freset, fp, fwait, fflags) = (f[0], f[1], f[2], f[3]);
     let bytes = |n: usize, seed: usize| -> Vec<u8> {
         (0..n).map(|i| ((i + seed).wrapping_mul(2654435761) >> 13) as u8).collect()
@@ -249,21 +227,7 @@ fn dataflow_probe() {
             Ok(())
         }
     };
-    let median_us = |graph: &cherenkov_cuda::gpu::Graph| {
-        let mut t: Vec<f32> = (0..7)
-            .map(|_| {
-                let a = gpu.event(true).unwrap();
-                let b = gpu.event(true).unwrap();
-                gpu.record(&a).unwrap();
-                gpu.replay(graph).unwrap();
-                gpu.record(&b).unwrap();
-                b.wait().unwrap();
-                b.since(&a).unwrap()
-            })
-            .collect();
-        t.sort_by(f32::total_cmp);
-        t[3] as f64 * 1e3 / PAIRS as f64
-    };
+    let median_us = |graph: &cherenkov_cuda::gpu::Graph| probe::median_us(gpu, graph, PAIRS);
     let last = |graph: &cherenkov_cuda::gpu::Graph| -> Vec<u32> {
         let x0: Vec<f32> = (0..ROWS).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.01).collect();
         gpu.htod(ys.ptr, &vec![0f32; (PAIRS + 1) * ROWS]).unwrap();

@@ -39,10 +39,9 @@
 //! memory is slower than every block loading all of it (6.3 at clusters of 4). With 5.2 MB of
 //! weights requested before the wait, `full+w` 3.59 and `batch+w` 3.07.
 
-use std::ffi::{CString, c_void};
+mod probe;
 
 use cherenkov_cuda::gpu::{Arg, Gpu};
-use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 
 /// Launches chained in one graph.
@@ -242,26 +241,13 @@ extern "C" __global__ void __launch_bounds__(256) stage_multicast(const float* x
 }
 "#;
 
-fn ptx(arch: &'static str) -> String {
-    let opts =
-        cudarc::nvrtc::CompileOptions { arch: Some(arch), options: vec!["--std=c++17".into()], ..Default::default() };
-    cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).unwrap_or_else(|e| panic!("{e:?}")).to_src()
-}
-
 const KERNELS: [&str; 7] =
     ["stage_slice", "stage_full", "stage_unroll4", "stage_batch", "stage_dsmem", "stage_multicast", "stage_w"];
 
 /// The probe's kernels compile (so the measurement does not fail on the GPU machine for a typo).
 #[test]
 fn probe_kernels_compile() {
-    if !cherenkov_cuda::compile::nvrtc_available() {
-        eprintln!("skipped: NVRTC not found");
-        return;
-    }
-    let p = ptx("sm_90");
-    for k in KERNELS {
-        assert!(p.contains(&format!(".entry {k}(")), "{k} is missing");
-    }
+    let Some(p) = probe::compiled(SOURCE, &KERNELS) else { return };
     assert!(p.contains(".multicast::cluster") && p.contains("mbarrier.try_wait.parity"));
 }
 
@@ -269,28 +255,11 @@ fn probe_kernels_compile() {
 #[ignore = "a measurement on the GPU machine; see the file's header"]
 fn stage_probe() {
     let gpu = Gpu::new().unwrap();
-    let (maj, min) = gpu.info.compute_capability;
-    let arch = cherenkov_cuda::compile::arch_name(maj, min).unwrap();
-    let cptx = CString::new(ptx(arch)).unwrap();
-    gpu.bind().unwrap();
-    // SAFETY: a NUL-terminated PTX image; the function names exist in it.
-    let f: Vec<sys::CUfunction> = unsafe {
-        let m = cu::module::load_data(cptx.as_ptr() as *const c_void).unwrap();
-        KERNELS.iter().map(|k| cu::module::get_function(m, CString::new(*k).unwrap()).unwrap()).collect()
-    };
+    let f = probe::load(&gpu, SOURCE, &KERNELS);
     let (fslice, ffull, fun4, fbatch, fds, fmc, fw) = (f[0], f[1], f[2], f[3], f[4], f[5], f[6]);
-    // SAFETY: plain function attributes of loaded kernels (16-block clusters are non-portable).
-    unsafe {
-        for k in [fds, fmc] {
-            sys::cuFuncSetAttribute(
-                k,
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
-                1,
-            )
-            .result()
-            .unwrap();
-        }
-    }
+    // 16-block clusters are non-portable.
+    probe::allow_large_clusters(fds);
+    probe::allow_large_clusters(fmc);
     let nmax = *NS.iter().max().unwrap();
     let vs = gpu.zeros((CHAIN + 1) * nmax * 4, "vectors").unwrap();
     let v = |i: usize, n: usize| vs.ptr + (i * n * 4) as u64;
@@ -347,22 +316,7 @@ fn stage_probe() {
             Ok(())
         }
     };
-    // The median of 7 replays, in microseconds per launch.
-    let median_us = |graph: &cherenkov_cuda::gpu::Graph| {
-        let mut t: Vec<f32> = (0..7)
-            .map(|_| {
-                let a = gpu.event(true).unwrap();
-                let b = gpu.event(true).unwrap();
-                gpu.record(&a).unwrap();
-                gpu.replay(graph).unwrap();
-                gpu.record(&b).unwrap();
-                b.wait().unwrap();
-                b.since(&a).unwrap()
-            })
-            .collect();
-        t.sort_by(f32::total_cmp);
-        t[3] as f64 * 1e3 / CHAIN as f64
-    };
+    let median_us = |graph: &cherenkov_cuda::gpu::Graph| probe::median_us(gpu, graph, CHAIN);
     let last = |graph: &cherenkov_cuda::gpu::Graph, n: usize| -> Vec<u32> {
         let x0: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.01).collect();
         gpu.htod(vs.ptr, &vec![0f32; (CHAIN + 1) * nmax]).unwrap();

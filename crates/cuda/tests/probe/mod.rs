@@ -1,0 +1,76 @@
+//! What the GPU probes beside this folder share (`cluster_probe`, `stage_probe`,
+//! `dataflow_probe`): compiling a probe's CUDA source with NVRTC, loading its kernels, timing a
+//! captured graph.
+
+// Each probe is its own test crate and uses some of these.
+#![allow(dead_code)]
+
+use std::ffi::{CString, c_void};
+
+use cherenkov_cuda::gpu::{Gpu, Graph};
+use cudarc::driver::result as cu;
+use cudarc::driver::sys;
+
+/// `source` compiled to PTX for `arch` (C++17), or a panic with NVRTC's log.
+pub fn ptx(source: &str, arch: &'static str) -> String {
+    let opts =
+        cudarc::nvrtc::CompileOptions { arch: Some(arch), options: vec!["--std=c++17".into()], ..Default::default() };
+    cudarc::nvrtc::compile_ptx_with_opts(source, opts).unwrap_or_else(|e| panic!("{e:?}")).to_src()
+}
+
+/// The PTX of `source` for sm_90, after checking that it defines every kernel in `kernels` (so
+/// that a measurement does not fail on the GPU machine for a typo); None, said on stderr, where
+/// NVRTC is not installed.
+pub fn compiled(source: &str, kernels: &[&str]) -> Option<String> {
+    if !cherenkov_cuda::compile::nvrtc_available() {
+        eprintln!("skipped: NVRTC not found");
+        return None;
+    }
+    let p = ptx(source, "sm_90");
+    for k in kernels {
+        assert!(p.contains(&format!(".entry {k}(")), "{k} is missing");
+    }
+    Some(p)
+}
+
+/// Compiles `source` for this GPU, binds its context to this thread, loads the module and returns
+/// the functions named in `names`, in order.
+pub fn load(gpu: &Gpu, source: &str, names: &[&str]) -> Vec<sys::CUfunction> {
+    let (maj, min) = gpu.info.compute_capability;
+    let arch = cherenkov_cuda::compile::arch_name(maj, min).unwrap();
+    let image = CString::new(ptx(source, arch)).unwrap();
+    gpu.bind().unwrap();
+    // SAFETY: a NUL-terminated PTX image; every name is checked by the driver (an error, not UB).
+    unsafe {
+        let m = cu::module::load_data(image.as_ptr() as *const c_void).unwrap();
+        names.iter().map(|k| cu::module::get_function(m, CString::new(*k).unwrap()).unwrap()).collect()
+    }
+}
+
+/// Lets `f` be launched in clusters larger than 8 blocks (16 on the H200: non-portable sizes).
+pub fn allow_large_clusters(f: sys::CUfunction) {
+    // SAFETY: a plain attribute of a loaded kernel.
+    unsafe {
+        sys::cuFuncSetAttribute(f, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+            .result()
+            .unwrap();
+    }
+}
+
+/// The median of 7 replays of `graph`, timed by events around each, in microseconds per `per`
+/// (the graph's launches or reads).
+pub fn median_us(gpu: &Gpu, graph: &Graph, per: usize) -> f64 {
+    let mut t: Vec<f32> = (0..7)
+        .map(|_| {
+            let a = gpu.event(true).unwrap();
+            let b = gpu.event(true).unwrap();
+            gpu.record(&a).unwrap();
+            gpu.replay(graph).unwrap();
+            gpu.record(&b).unwrap();
+            b.wait().unwrap();
+            b.since(&a).unwrap()
+        })
+        .collect();
+    t.sort_by(f32::total_cmp);
+    t[3] as f64 * 1e3 / per as f64
+}
