@@ -1,6 +1,6 @@
-//! The timeline analysis scripts (`tools/gpu/timeline_tails.py`, `timeline_sms.py`, `timeline_marks.py`) on
-//! block records made up here, so that a change to the record format or the grouping shows before
-//! a device call does. Needs `python3` (CI has it).
+//! The timeline analysis scripts (`tools/gpu/timeline_tails.py`, `timeline_sms.py`,
+//! `timeline_marks.py`, `timeline_phases.py`) on block records made up here, so that a change to
+//! the record format or the grouping shows before a device call does. Needs `python3` (CI has it).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -81,4 +81,33 @@ fn the_marks_script_splits_the_marked_blocks_at_their_mark() {
 fn the_other_scripts_read_records_with_marks() {
     assert_eq!(row_in("timeline_sms.py", &records_marked()), row_of("timeline_sms.py"));
     assert_eq!(row_in("timeline_tails.py", &records_marked()), row_of("timeline_tails.py"));
+}
+
+/// [`records_marked`] with the working blocks 0-4 marked at 5 us instead (a second timeline, at
+/// another mark).
+fn records_marked_later() -> String {
+    records_marked().replace("\t2000\n", "\t5000\n").replace("\t3000\n", "\t5000\n").replace("\t4000\n", "\t5000\n")
+}
+
+#[test]
+fn the_phases_script_puts_each_files_mark_beside_the_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("m0.blocks.tsv"), dir.path().join("m1.blocks.tsv"));
+    std::fs::write(&a, records_marked()).unwrap();
+    std::fs::write(&b, records_marked_later()).unwrap();
+    let out = Command::new("python3")
+        .arg(script("timeline_phases.py"))
+        .arg(format!("0={}", a.display()))
+        .arg(format!("1={}", b.display()))
+        .output()
+        .expect("python3 runs");
+    assert!(out.status.success(), "timeline_phases.py failed: {}", String::from_utf8_lossy(&out.stderr));
+    let out = String::from_utf8(out.stdout).expect("UTF-8 output");
+    assert!(out.lines().next().is_some_and(|h| h.contains("mark 0") && h.contains("mark 1")), "{out}");
+    let row = out.lines().find(|l| l.starts_with("k ")).unwrap_or_else(|| panic!("no row for k in:\n{out}"));
+    let cols: Vec<&str> = row.split_whitespace().collect();
+    // kernel, grid, launches; wait to mark in the first file (1, 1, 3, 2, 2 us) and the second
+    // (4 us each); the working blocks' mean end after their wait (8, 8, 12, 6, 6, 6 us) and the last
+    // end after the first wait.
+    assert_eq!(cols[1..], ["8", "1", "1.80", "4.00", "7.67", "12.00"], "{cols:?}");
 }
