@@ -57,11 +57,6 @@ const SOURCE: &str = r#"
 #define RANK 320
 #define UP 10240
 
-__device__ __forceinline__ void dep_start() {
-    asm volatile("griddepcontrol.launch_dependents;");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-}
-
 // x (DIN floats) into shared memory, transposed as in persistent_probe (xsh[t * DCH + c] =
 // x[16 c + t]) so that lane c's 16 weights meet consecutive banks.
 __device__ __forceinline__ void stage_x(const float* x, float* xsh) {
@@ -136,18 +131,6 @@ extern "C" __global__ void __launch_bounds__(256) read_up(const signed char* __r
     up_rows(wu, s, y);
 }
 
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ unsigned cluster_size() {
-    unsigned n;
-    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-    return n;
-}
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 // A float of block `rank`'s shared memory at the address of `p` in this block's.
 __device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
     unsigned a = (unsigned)__cvta_generic_to_shared(p), b;

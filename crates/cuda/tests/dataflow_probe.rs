@@ -101,26 +101,29 @@ __device__ __forceinline__ float piece(const uint4& q, const float* x, int c0) {
     return acc;
 }
 
-__device__ __forceinline__ void finish_row(float acc, float* y, int r) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if ((threadIdx.x & 31) == 0) y[r] = acc * (1.f / 4096.f);
-}
-
-extern "C" __global__ void __launch_bounds__(256, 3) c_wait(const signed char* __restrict__ w, const float* x, float* y,
-                                                         const unsigned* flags) {
-    asm volatile("griddepcontrol.launch_dependents;");
-    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    uint4 q[NQ];
-    load_row(w, r, q);
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+// Row r of y from the row's weights q and the input x, its pieces added in order.
+__device__ __forceinline__ void finish_row(const uint4* q, const float* x, float* y, int r) {
+    const int lane = threadIdx.x & 31;
     float p[NQ];
 #pragma unroll
     for (int j = 0; j < NQ; j++) p[j] = piece(q[j], x, 512 * j + 16 * lane);
     float acc = 0.f;
 #pragma unroll
     for (int j = 0; j < NQ; j++) acc += p[j];
-    finish_row(acc, y, r);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) y[r] = acc * (1.f / 4096.f);
+}
+
+// (`flags` unused: the two consumers take the same parameters.)
+extern "C" __global__ void __launch_bounds__(256, 3) c_wait(const signed char* __restrict__ w, const float* x, float* y,
+                                                         const unsigned* flags) {
+    asm volatile("griddepcontrol.launch_dependents;");
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    uint4 q[NQ];
+    load_row(w, r, q);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    finish_row(q, x, y, r);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 3) c_flags(const signed char* __restrict__ w, const float* x, float* y,
@@ -143,13 +146,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) c_flags(const signed char* 
         __nanosleep(32);
     }
     asm volatile("fence.acq_rel.gpu;" ::: "memory");
-    float p[NQ];
-#pragma unroll
-    for (int j = 0; j < NQ; j++) p[j] = piece(q[j], x, 512 * j + 16 * lane);
-    float acc = 0.f;
-#pragma unroll
-    for (int j = 0; j < NQ; j++) acc += p[j];
-    finish_row(acc, y, r);
+    finish_row(q, x, y, r);
 }
 "#;
 

@@ -53,11 +53,6 @@ const NS: [usize; 4] = [640, 2560, 6144, 10240];
 const GS: [u32; 3] = [160, 320, 640];
 
 const SOURCE: &str = r#"
-__device__ __forceinline__ void dep_start() {
-    asm volatile("griddepcontrol.launch_dependents;");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-}
-
 // The chain's step: block b writes its part of the next vector from the staged one.
 __device__ __forceinline__ void write_part(const float* xs, float* y, int n) {
     const int part = (n + gridDim.x - 1) / gridDim.x;
@@ -72,12 +67,34 @@ extern "C" __global__ void __launch_bounds__(256) stage_slice(const float* x, fl
     if ((int)threadIdx.x < part && j < n) y[j] = __ldcg(x + (7 * j + 1) % n) * 0.5f + 1.0f;
 }
 
+// x's n floats into shared s4, a 16-byte load and its store at a time.
+__device__ __forceinline__ void stage_serial(const float* x, float4* s4, int n) {
+    const float4* x4 = (const float4*)x;
+    for (int i = threadIdx.x; i < n / 4; i += blockDim.x) s4[i] = __ldcg(x4 + i);
+}
+
+// The same with every load of the thread issued before the first store (up to BATCH float4s a
+// thread: N <= 4 * 256 * BATCH): one round trip to L2 a block.
+#define BATCH 10
+__device__ __forceinline__ void stage_batched(const float* x, float4* s4, int n) {
+    const float4* x4 = (const float4*)x;
+    float4 r[BATCH];
+#pragma unroll
+    for (int u = 0; u < BATCH; u++) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < n / 4) r[u] = __ldcg(x4 + i);
+    }
+#pragma unroll
+    for (int u = 0; u < BATCH; u++) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < n / 4) s4[i] = r[u];
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256) stage_full(const float* x, float* y, int n) {
     extern __shared__ __align__(16) float xs[];
     dep_start();
-    const float4* x4 = (const float4*)x;
-    float4* s4 = (float4*)xs;
-    for (int i = threadIdx.x; i < n / 4; i += blockDim.x) s4[i] = __ldcg(x4 + i);
+    stage_serial(x, (float4*)xs, n);
     __syncthreads();
     write_part(xs, y, n);
 }
@@ -95,25 +112,10 @@ extern "C" __global__ void __launch_bounds__(256) stage_unroll4(const float* x, 
     write_part(xs, y, n);
 }
 
-// Every load of the thread issued before the first store (up to BATCH float4s a thread: N <=
-// 4 * 256 * BATCH): one round trip to L2 a block.
-#define BATCH 10
 extern "C" __global__ void __launch_bounds__(256) stage_batch(const float* x, float* y, int n) {
     extern __shared__ __align__(16) float xs[];
     dep_start();
-    const float4* x4 = (const float4*)x;
-    float4* s4 = (float4*)xs;
-    float4 r[BATCH];
-#pragma unroll
-    for (int u = 0; u < BATCH; u++) {
-        const int i = threadIdx.x + u * blockDim.x;
-        if (i < n / 4) r[u] = __ldcg(x4 + i);
-    }
-#pragma unroll
-    for (int u = 0; u < BATCH; u++) {
-        const int i = threadIdx.x + u * blockDim.x;
-        if (i < n / 4) s4[i] = r[u];
-    }
+    stage_batched(x, (float4*)xs, n);
     __syncthreads();
     write_part(xs, y, n);
 }
@@ -134,22 +136,10 @@ extern "C" __global__ void __launch_bounds__(256) stage_w(const float* x, float*
                      : "=r"(a[k].x), "=r"(a[k].y), "=r"(a[k].z), "=r"(a[k].w)
                      : "l"(wp + k));
     asm volatile("griddepcontrol.wait;" ::: "memory");
-    const float4* x4 = (const float4*)x;
-    float4* s4 = (float4*)xs;
     if (batch) {
-        float4 r[BATCH];
-#pragma unroll
-        for (int u = 0; u < BATCH; u++) {
-            const int i = threadIdx.x + u * blockDim.x;
-            if (i < n / 4) r[u] = __ldcg(x4 + i);
-        }
-#pragma unroll
-        for (int u = 0; u < BATCH; u++) {
-            const int i = threadIdx.x + u * blockDim.x;
-            if (i < n / 4) s4[i] = r[u];
-        }
+        stage_batched(x, (float4*)xs, n);
     } else {
-        for (int i = threadIdx.x; i < n / 4; i += blockDim.x) s4[i] = __ldcg(x4 + i);
+        stage_serial(x, (float4*)xs, n);
     }
     __syncthreads();
     // The weights are zeros: never true, but the loads must complete.
@@ -160,18 +150,6 @@ extern "C" __global__ void __launch_bounds__(256) stage_w(const float* x, float*
     write_part(xs, y, n);
 }
 
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ unsigned cluster_size() {
-    unsigned c;
-    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(c));
-    return c;
-}
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
 extern "C" __global__ void __launch_bounds__(256) stage_dsmem(const float* x, float* y, int n) {
     extern __shared__ __align__(16) float xs[];

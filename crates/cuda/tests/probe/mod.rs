@@ -11,11 +11,33 @@ use cherenkov_cuda::gpu::{Gpu, Graph};
 use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 
-/// `source` compiled to PTX for `arch` (C++17), or a panic with NVRTC's log.
+/// Device helpers every probe's source may call, compiled ahead of it: `dep_start()` (let the next
+/// launch be scheduled, then wait for the previous one: programmatic dependent launch), and a
+/// thread block cluster's rank, size and barrier halves.
+const DEVICE: &str = r#"
+__device__ __forceinline__ void dep_start() {
+    asm volatile("griddepcontrol.launch_dependents;");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ unsigned cluster_size() {
+    unsigned n;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+    return n;
+}
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+"#;
+
+/// `source`, after [`DEVICE`], compiled to PTX for `arch` (C++17), or a panic with NVRTC's log.
 pub fn ptx(source: &str, arch: &'static str) -> String {
     let opts =
         cudarc::nvrtc::CompileOptions { arch: Some(arch), options: vec!["--std=c++17".into()], ..Default::default() };
-    cudarc::nvrtc::compile_ptx_with_opts(source, opts).unwrap_or_else(|e| panic!("{e:?}")).to_src()
+    cudarc::nvrtc::compile_ptx_with_opts(format!("{DEVICE}{source}"), opts).unwrap_or_else(|e| panic!("{e:?}")).to_src()
 }
 
 /// The PTX of `source` for sm_90, after checking that it defines every kernel in `kernels` (so
