@@ -119,6 +119,7 @@ pub fn linear_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
     rows.extend(tiled_checks(gpu, rng)?);
     rows.extend(input_checks(gpu, rng)?);
     rows.extend(inject_checks(gpu, rng)?);
+    rows.extend(image_checks(gpu, rng)?);
     rows.extend(route_checks(gpu, rng)?);
     for dtype in [DType::BF16, DType::F16, DType::F32] {
         let w = rng.normal(r * cols, 0.05);
@@ -429,6 +430,47 @@ fn upload_linear(
         biases: db.ptr,
     };
     Ok((lin, vec![dw, ds, db]))
+}
+
+/// The tiled 4-bit matvec on the GDN out_proj's shape with its input as a producer's staged image
+/// ([`MatvecInput::Digits`], written by `mvd_image` as the GDN recurrence writes it): against the
+/// CPU, and bit for bit against the same matvec staging x itself.
+fn image_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
+    use crate::weights::MatvecInput;
+    let (r, c) = (2560usize, 6144usize);
+    let mut x = rng.normal(c, 1.0);
+    x[..32].fill(0.0); // a chunk of zeros (xs = 0)
+    let dx = gpu.alloc(c * 4, "check input")?;
+    gpu.htod(dx.ptr, &x)?;
+    let img = gpu.zeros(c * 4, "check input image")?;
+    gpu.launch(
+        "mvd_image",
+        (c.div_ceil(32 * 8) as u32, 1, 1),
+        256,
+        0,
+        &[Arg::Ptr(dx.ptr), Arg::Ptr(img.ptr), Arg::I32(c as i32)],
+    )?;
+    let (lin, _bufs, want) = rand_linear(gpu, rng, Affine::new(4, 64), r, c, &x)?;
+    let dy = gpu.zeros(2 * r * 4, "check output")?;
+    let y2 = dy.ptr + (r * 4) as u64;
+    lin.matvec_in(gpu, MatvecInput::Plain(dx.ptr), dy.ptr)?;
+    lin.matvec_in(gpu, MatvecInput::Digits(dx.ptr, img.ptr), y2)?;
+    let (mut a, mut b) = (vec![0f32; r], vec![0f32; r]);
+    gpu.dtoh(dy.ptr, &mut a)?;
+    gpu.dtoh(y2, &mut b)?;
+    let differ = a.iter().zip(&b).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
+    Ok(vec![
+        CheckRow {
+            name: format!("matvec q4 g64 {r}x{c} from its producer's staged image"),
+            rel_err: rel_err(&b, &want),
+            limit: LINEAR_LIMIT,
+        },
+        CheckRow {
+            name: format!("matvec q4 g64 {r}x{c}, image against staging x (fraction of rows not identical)"),
+            rel_err: differ as f64 / r as f64,
+            limit: 0.0,
+        },
+    ])
 }
 
 /// The tiled kernels on the model's shapes: column-split matvecs (few rows, many columns), several

@@ -27,6 +27,7 @@ pub const KERNELS: &[&str] = &[
     "matvec_q8",
     "matvec_many",
     "matvec_many_48",
+    "mvd_image",
     "hc_up_mix",
     "matvec_float",
     "embed_row",

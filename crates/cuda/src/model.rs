@@ -417,6 +417,10 @@ pub struct CudaModel {
     /// of the down launch waits for the others (`CHERENKOV_NO_READ_SUM=1`: its last block adds them
     /// up).
     read_sum: bool,
+    /// The GDN recurrence also writes its output as the out_proj's 4-bit kernel stages it, and
+    /// that kernel's blocks copy the image instead of converting the output each
+    /// ([`MatvecInput::Digits`]; `CHERENKOV_NO_GDN_DIGITS=1`: every block converts it).
+    gdn_digits: bool,
     /// Streaming: a block's read experts are queued before its lookahead's host work where the host
     /// has nothing to wait for (see `moe`; `CHERENKOV_READS_FIRST=0` queues them after it).
     reads_first: bool,
@@ -621,6 +625,7 @@ impl CudaModel {
             shared_gate_up_ride: std::env::var_os("CHERENKOV_NO_SHARED_GATE_UP_RIDE").is_none(),
             route_sum: std::env::var_os("CHERENKOV_NO_ROUTE_SUM").is_none(),
             read_sum: std::env::var_os("CHERENKOV_NO_READ_SUM").is_none(),
+            gdn_digits: std::env::var_os("CHERENKOV_NO_GDN_DIGITS").is_none(),
             reads_first: std::env::var("CHERENKOV_READS_FIRST").map_or(true, |v| v != "0"),
             cut_weak: None,
             cpu_experts: None,
@@ -1277,7 +1282,7 @@ impl CudaModel {
     ) -> Result<()> {
         let c = self.config();
         let g = &*self.gpu;
-        let [_, z, b, a, conv_out, core, _] = &sc.big;
+        let [_, z, b, a, conv_out, core, digits] = &sc.big;
         // The conv rides on the input projection's launch where it can; otherwise it runs in place
         // on the projection's output (one thread per channel reads its input before writing).
         let cd = c.gdn_conv_dim();
@@ -1312,6 +1317,14 @@ impl CudaModel {
         } else {
             ("gdn_recurrent", dv.min(1024).next_multiple_of(32), 2 * dk)
         };
+        // The split kernel's head is whole warps (and whole 32-input chunks) where dv is a multiple
+        // of 32: then it writes the out_proj's staged image too (its 3.75 bytes an input fit the
+        // scratch vector's 4), for 4-bit out_proj weights (the only ones staged that way).
+        let image = self.gdn_digits
+            && split
+            && dv.is_multiple_of(32)
+            && matches!(gw.out_proj.precision, Precision::Affine { bits: 4, .. });
+        let input = if image { MatvecInput::Digits(core.ptr, digits.ptr) } else { MatvecInput::Plain(core.ptr) };
         g.launch(
             kernel,
             (nv as u32, 1, 1),
@@ -1334,9 +1347,10 @@ impl CudaModel {
                 Arg::Ptr(gw.norm.ptr),
                 Arg::F32(c.rms_norm_eps as f32),
                 Arg::I32(if c.gate_act == GateAct::Sigmoid { 0 } else { 1 }),
+                Arg::Ptr(if image { digits.ptr } else { 0 }),
             ],
         )?;
-        gw.out_proj.matvec_to(g, MatvecInput::Plain(core.ptr), out)
+        gw.out_proj.matvec_to(g, input, out)
     }
 
     /// Grouped zero-centred RMSNorm of `groups` groups of `group` elements.

@@ -39,6 +39,10 @@ pub enum MatvecInput {
     /// x * (1 + w) (a zero-centred norm's weight, the norm's scale folded into the matvec:
     /// [`matvec_many_norm`]).
     OnePlus(u64, u64),
+    /// x, whose producer also wrote its image as the tiled 4-bit kernel stages it (`MV_IN_DIGITS`
+    /// in linear.cu: the GDN recurrence for its out_proj). That kernel, unsplit, copies the image;
+    /// every other kernel and path reads x.
+    Digits(u64, u64),
 }
 
 impl MatvecInput {
@@ -49,12 +53,22 @@ impl MatvecInput {
             | MatvecInput::SiluScaled(x, _)
             | MatvecInput::SiluMul(x, _)
             | MatvecInput::MulSigmoid(x, _)
-            | MatvecInput::OnePlus(x, _) => x,
+            | MatvecInput::OnePlus(x, _)
+            | MatvecInput::Digits(x, _) => x,
+        }
+    }
+
+    /// The same input without a producer's image ([`MatvecInput::Digits`] as x).
+    fn floats(self) -> MatvecInput {
+        match self {
+            MatvecInput::Digits(x, _) => MatvecInput::Plain(x),
+            other => other,
         }
     }
 
     /// The kernels' transform arguments (x2, xs, op): `op` is `MV_IN_PLAIN` (0), `MV_IN_SILU_SCALED`
-    /// (1), `MV_IN_SILU_MUL` (2), `MV_IN_MUL_SIGMOID` (3) or `MV_IN_ONE_PLUS` (4) of linear.cu.
+    /// (1), `MV_IN_SILU_MUL` (2), `MV_IN_MUL_SIGMOID` (3), `MV_IN_ONE_PLUS` (4) or `MV_IN_DIGITS` (5)
+    /// of linear.cu.
     fn args(self) -> [Arg; 3] {
         match self {
             MatvecInput::Plain(_) => [Arg::Ptr(0), Arg::F32(0.0), Arg::I32(0)],
@@ -62,6 +76,7 @@ impl MatvecInput {
             MatvecInput::SiluMul(_, b) => [Arg::Ptr(b), Arg::F32(0.0), Arg::I32(2)],
             MatvecInput::MulSigmoid(_, b) => [Arg::Ptr(b), Arg::F32(0.0), Arg::I32(3)],
             MatvecInput::OnePlus(_, b) => [Arg::Ptr(b), Arg::F32(0.0), Arg::I32(4)],
+            MatvecInput::Digits(_, img) => [Arg::Ptr(img), Arg::F32(0.0), Arg::I32(5)],
         }
     }
 }
@@ -133,9 +148,13 @@ impl DevLinear {
         if self.cols * 4 > MAX_STAGED_X {
             bail!("a linear of {} inputs is wider than the kernels' staging limit", self.cols);
         }
-        let (x, [x2, xs, op]) = (input.x(), input.args());
+        // A producer's image (MatvecInput::Digits) goes only to the unsplit tiled kernel; every other
+        // path takes x.
+        let (tiled_input, input) = (input, input.floats());
+        let x = input.x();
         let (xres, inj, hc) = inject.unwrap_or((0, 0, 0));
-        let args = |gs: usize, rpb: usize| {
+        let args_of = |input: MatvecInput, gs: usize, rpb: usize| {
+            let [x2, xs, op] = input.args();
             [
                 Arg::Ptr(self.data),
                 Arg::Ptr(self.scales),
@@ -154,6 +173,7 @@ impl DevLinear {
                 Arg::I32(hc as i32),
             ]
         };
+        let args = |gs: usize, rpb: usize| args_of(input, gs, rpb);
         let injected = inject.is_some();
         let rpb = rows_per_block(self.rows, BLOCKS_WANTED);
         let staged = (self.cols * 4) as u32;
@@ -172,7 +192,7 @@ impl DevLinear {
                             return launch_many(gpu, input, &[(self, y)], &[split], None, None, false).map(|()| false);
                         }
                     }
-                    let a = args(group_size, MV_TILED | plan.lanes);
+                    let a = args_of(tiled_input, group_size, MV_TILED | plan.lanes);
                     gpu.launch(&name, (plan.blocks as u32, 1, 1), plan.threads as u32, shmem as u32, &a)?;
                     return Ok(injected);
                 }
@@ -190,8 +210,9 @@ impl DevLinear {
                 }
                 Ok(injected)
             }
-            Precision::Float { dtype } => gpu
-                .launch(
+            Precision::Float { dtype } => {
+                let [x2, xs, op] = input.args();
+                gpu.launch(
                     "matvec_float",
                     (blocks(self.rows, rpb), 1, 1),
                     256,
@@ -209,7 +230,8 @@ impl DevLinear {
                         op,
                     ],
                 )
-                .map(|()| false),
+                .map(|()| false)
+            }
         }
     }
 
@@ -218,7 +240,7 @@ impl DevLinear {
     fn matvec_unfused(&self, gpu: &Gpu, input: MatvecInput, y: u64) -> Result<()> {
         let n = self.cols;
         match input {
-            MatvecInput::Plain(_) => {}
+            MatvecInput::Plain(_) | MatvecInput::Digits(..) => {}
             MatvecInput::SiluScaled(x, s) => gpu.launch(
                 "scale_silu",
                 (blocks(n, 256), 1, 1),

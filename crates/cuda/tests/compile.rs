@@ -76,6 +76,7 @@ const VARIANTS: &[&str] = &[
     "MV_NO_DP4A",
     "MV_PROBE_NO_MATH",
     "MV_PROBE_NO_STAGE",
+    "MV_STAGE_SERIAL",
     "MV_SUM_SERIAL",
     "ROUTE_MAP_LATE",
     "ROUTE_PACK_PREFIX",

@@ -66,10 +66,11 @@ __device__ __forceinline__ void gdn_gated_norm(float* o, const float* z, const f
 // The recurrence for one token; one block per value head, one thread per value lane (blockDim = dv).
 //   S *= exp(g); delta = beta (v - S^T k); S += k delta^T; y = S^T q
 // with beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias); then the gated output norm of the
-// head (gdn_gated_norm), so `out` holds norm(y) * act(z).
+// head (gdn_gated_norm), so `out` holds norm(y) * act(z). (`digits` is gdn_recurrent_split's; here
+// it is not read.)
 extern "C" __global__ void gdn_recurrent(const float* qkv, const float* a, const float* b, const float* A_log,
                                          const float* dt_bias, float* S, float* out, int nk, int nv, int dk, int dv,
-                                         const float* z, const float* norm_w, float eps, int act) {
+                                         const float* z, const float* norm_w, float eps, int act, u32* digits) {
     KSPAN;
     grid_enter();
     extern __shared__ float sh[];  // q then k of this head's key head: 2 * dk floats
@@ -105,12 +106,14 @@ extern "C" __global__ void gdn_recurrent(const float* qkv, const float* a, const
 // S is read once and written once (the one-thread-per-column kernel read it twice and wrote it twice,
 // from 4 warps per head). blockDim = dv * GDN_SPLIT, thread (j, r) = (tid % dv, tid / dv) holds rows
 // r * rows .. (r + 1) * rows of column j, rows = dk / GDN_SPLIT <= GDN_MAX_ROWS. Shared memory: q, k
-// (2 * dk floats), then the partial sums (GDN_SPLIT * dv floats).
+// (2 * dk floats), then the partial sums (GDN_SPLIT * dv floats). With `digits` (dv a multiple of 32),
+// the head's warps also write `out` as the out_proj's 4-bit core stages it (mvd_put_chunk), so that
+// its blocks copy that image instead of converting `out` each (MV_IN_DIGITS).
 #define GDN_SPLIT 4
 #define GDN_MAX_ROWS 32
 extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_split(const float* qkv, const float* a, const float* b, const float* A_log,
                                                const float* dt_bias, float* S, float* out, int nk, int nv, int dk, int dv,
-                                               const float* z, const float* norm_w, float eps, int act) {
+                                               const float* z, const float* norm_w, float eps, int act, u32* digits) {
     KSPAN;
     extern __shared__ float sh[];
     const int hv = blockIdx.x;
@@ -184,7 +187,9 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_split(const floa
     if (r == 0) {
         const float inv = rsqrtf(ss / (float)dv + eps);
         const float gate = act == 0 ? sigmoidf_(zj) : siluf_(zj);
-        out[(size_t)hv * dv + j] = wj * (y * inv) * gate;
+        const float o = wj * (y * inv) * gate;
+        out[(size_t)hv * dv + j] = o;
+        if (digits) mvd_put_chunk(digits, nv * dv / 32, (hv * dv + j) / 32, o);
     }
 #else
     if (r == 0) {
@@ -194,5 +199,7 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_split(const floa
     }
     __syncthreads();
     gdn_gated_norm(out, z, norm_w, hv, dv, eps, act);
+    __syncthreads();
+    if (digits && threadIdx.x < dv) mvd_put_chunk(digits, nv * dv / 32, (hv * dv + j) / 32, out[(size_t)hv * dv + j]);
 #endif
 }

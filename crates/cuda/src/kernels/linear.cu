@@ -9,15 +9,18 @@
 // silu(gate) * up, the expression of silu_mul); MV_IN_MUL_SIGMOID: x * sigmoid(x2) (the attention
 // output gate, the expression of mul_sigmoid); MV_IN_ONE_PLUS: x * (1 + x2) (a zero-centred norm's
 // weight, when the norm's scale is folded into the matvec: matvec_many's MvNorm). The tiled
-// kernels' per-unit sums are sums of in(x).
+// kernels' per-unit sums are sums of in(x). MV_IN_DIGITS: x, whose producer also wrote it as the
+// 4-bit integer path stages it (x2: that image, mvd_put_chunk), so that the tiled 4-bit core copies
+// the image instead of converting x in every block; every other kernel and path reads x as plain.
 #define MV_IN_PLAIN 0
 #define MV_IN_SILU_SCALED 1
 #define MV_IN_SILU_MUL 2
 #define MV_IN_MUL_SIGMOID 3
 #define MV_IN_ONE_PLUS 4
+#define MV_IN_DIGITS 5
 
 struct MvIn {
-    const float* x2;  // MV_IN_SILU_MUL, MV_IN_MUL_SIGMOID: the second input (indexed like x)
+    const float* x2;  // MV_IN_SILU_MUL, MV_IN_MUL_SIGMOID: the second input (indexed like x); MV_IN_DIGITS: the image
     float s;          // MV_IN_SILU_SCALED: the scale
     int op;
 };
@@ -292,6 +295,30 @@ struct MvLdX {
     __device__ float4 operator()(const float* __restrict__ x, int i, bool aligned) const { return mv_ld4(x, i, aligned); }
 };
 
+// One staging pass's raw inputs for thread slot i < n4: float4 i of x (by ld) and, where the
+// transform takes a second input, of in.x2; zeros past n4.
+template <class Ld>
+__device__ __forceinline__ void mv_fetch(const float* __restrict__ x, const MvIn& in, int i, int n4, bool aligned,
+                                         bool aligned2, const Ld& ld, float4& v, float4& v2) {
+    v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    v2 = v;
+    if (i < n4) {
+        v = ld(x, i, aligned);
+        if (mv_in_two(in)) v2 = mv_ld4(in.x2, i, aligned2);
+    }
+}
+
+// mv_stage fetches the next pass's inputs before it transforms and stores this pass's, so that a
+// pass's work overlaps the next pass's round trip to L2 instead of following it
+// (`CHERENKOV_KERNEL_DEFINES=MV_STAGE_SERIAL` fetches each pass at its start, as before session
+// 27). On the H200 it took the hyper-connection reads' down projection from 1.86 to 1.41 us from
+// its wait to its input staged (session 27).
+#ifdef MV_STAGE_SERIAL
+#define MV_STAGE_AHEAD 0
+#else
+#define MV_STAGE_AHEAD 1
+#endif
+
 // Stages in(x) swizzled into sx4 and the unit sums of in(x) into ssum (all threads of the block
 // take part; blockDim.x is a multiple of 32). With `ssq`, thread 0 also writes there the sum of the
 // squares of x itself (before the transform).
@@ -312,18 +339,23 @@ __device__ __forceinline__ void mv_stage(const float* __restrict__ x, const MvIn
     const int n4 = cols >> 2;
     const bool aligned = (((size_t)x) & 15) == 0;
     const bool aligned2 = (((size_t)in.x2) & 15) == 0;
+    float4 nv, nv2;  // the next pass's inputs (MV_STAGE_AHEAD)
+    if (MV_STAGE_AHEAD) mv_fetch(x, in, threadIdx.x, n4, aligned, aligned2, ld, nv, nv2);
 #pragma unroll 4
     for (int base = 0; base < n4; base += blockDim.x) {
         const int i = base + threadIdx.x;
-        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        float4 v, v2;
+        if (MV_STAGE_AHEAD) {
+            v = nv;
+            v2 = nv2;
+            mv_fetch(x, in, i + blockDim.x, n4, aligned, aligned2, ld, nv, nv2);
+        } else {
+            mv_fetch(x, in, i, n4, aligned, aligned2, ld, v, v2);
+        }
         if (i < n4) {
-            v = ld(x, i, aligned);
             sq += (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w);
-            if (in.op != MV_IN_PLAIN) {
-                float4 v2 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                if (mv_in_two(in)) v2 = mv_ld4(in.x2, i, aligned2);
+            if (in.op != MV_IN_PLAIN)
                 v = make_float4(mv_in(v.x, v2.x, in), mv_in(v.y, v2.y, in), mv_in(v.z, v2.z, in), mv_in(v.w, v2.w, in));
-            }
         }
         float s = (v.x + v.y) + (v.z + v.w);
 #pragma unroll
@@ -399,18 +431,19 @@ __device__ __forceinline__ void mvd_stage(const float* __restrict__ x, const MvI
 #endif
     const bool aligned = (((size_t)x) & 15) == 0;
     const bool aligned2 = (((size_t)in.x2) & 15) == 0;
+    // Each pass fetched at its start: fetching the next pass ahead (as mv_stage) made the 4-bit
+    // launches' staging longer on the H200 (session 27: the out_proj's 3.71 us against 3.49, the
+    // GDN in_proj's 2.24 against 1.86); with 2-5 blocks a multiprocessor converting the same
+    // input, the conversion's instructions, not the passes' round trips, set its time.
 #pragma unroll 4
     for (int base = 0; base < n4; base += blockDim.x) {
         const int i = base + threadIdx.x;
-        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        float4 v, v2;
+        mv_fetch(x, in, i, n4, aligned, aligned2, ld, v, v2);
         if (i < n4) {
-            v = ld(x, i, aligned);
             sq += (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w);
-            if (in.op != MV_IN_PLAIN) {
-                float4 v2 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                if (mv_in_two(in)) v2 = mv_ld4(in.x2, i, aligned2);
+            if (in.op != MV_IN_PLAIN)
                 v = make_float4(mv_in(v.x, v2.x, in), mv_in(v.y, v2.y, in), mv_in(v.z, v2.z, in), mv_in(v.w, v2.w, in));
-            }
         }
         // A chunk's 32 inputs are 8 consecutive threads' float4s.
         float s = (v.x + v.y) + (v.z + v.w);
@@ -451,6 +484,75 @@ __device__ __forceinline__ void mvd_stage(const float* __restrict__ x, const MvI
     } else {
         __syncthreads();
     }
+}
+
+// The staged image of x written by x's producer instead (MV_IN_DIGITS), in global memory as in
+// shared memory: chunks * MVD_CHUNK uint4 of digits, then a float2 (xs, sum) per chunk. A warp
+// whose lane l holds input 32 c + l of x (`v`) writes chunk c: the digits and (xs, sum) of
+// mvd_stage bit for bit (the same expressions; the sum adds the same pairs in the same order:
+// ((x + y) + (z + w)) over 4 lanes, then lanes xor 4, 8, 16 as mvd_stage's threads xor 1, 2, 4).
+// Word L < 24 of the chunk is digit d = (L % 6) / 2 of the even (L % 2 == 0) or odd inputs of word
+// k = L / 6, byte p from lane 8 k + 2 p + L % 2; lanes 24..27 zero the chunk's padding.
+__device__ __forceinline__ void mvd_put_chunk(u32* __restrict__ img, int chunks, int c, float v) {
+    const int lane = threadIdx.x & 31;
+    float s = v + __shfl_xor_sync(0xffffffffu, v, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    float mx = fabsf(v);
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+        s += __shfl_xor_sync(0xffffffffu, s, o);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    }
+    const float inv = mx > 0.0f ? MVD_QMAX / mx : 0.0f;
+    const int q = __float_as_int(fmaf(v, inv, 12582912.0f)) - 0x4B400000;
+    // Byte d of `pack`: digit d of this lane's input.
+    const u32 pack = (u32)(q & 0xff) | ((u32)(((q + 128) >> 8) & 0xff) << 8) | ((u32)(((q + 32896) >> 16) & 0xff) << 16);
+    const int k = lane / 6, m = lane % 6, d = m >> 1, par = m & 1;
+    const int src = lane < 24 ? 8 * k + par : 0;  // lanes >= 24 write no digits
+    u32 word = 0;
+#pragma unroll
+    for (int p = 0; p < 4; p++) word |= ((__shfl_sync(0xffffffffu, pack, src + 2 * p) >> (8 * d)) & 0xffu) << (8 * p);
+    u32* w = img + (size_t)c * MVD_CHUNK * 4;
+    if (lane < 24) w[lane] = word;
+    else if (lane < 4 * MVD_CHUNK) w[lane] = 0;
+    if (lane == 0) ((float2*)(img + (size_t)chunks * MVD_CHUNK * 4))[c] = make_float2(mx / MVD_QMAX, s);
+}
+
+// x's staged image (n inputs, a multiple of 32), one warp a chunk: what a producer that holds its
+// outputs as whole warps writes with mvd_put_chunk (the GDN recurrence), for the GPU check, which
+// compares the tiled 4-bit matvec from this image with the same matvec staging x.
+extern "C" __global__ void mvd_image(const float* __restrict__ x, u32* img, int n) {
+    KSPAN;
+    grid_enter();
+    const int chunks = n / 32, c = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (c < chunks) mvd_put_chunk(img, chunks, c, x[32 * c + (threadIdx.x & 31)]);
+}
+
+// Copies x's staged image `img` (MV_IN_DIGITS: chunks of 32 inputs) into shared memory as mvd_stage
+// would stage x, four 16-byte loads a thread in flight before their stores (all threads of the
+// block take part).
+__device__ __forceinline__ void mvd_copy(const uint4* __restrict__ img, uint4* sm, int chunks) {
+    const int nd = chunks * MVD_CHUNK, nq = nd + (chunks >> 1);  // the digits, then pairs of (xs, sum)
+    for (int base = threadIdx.x; base < nq; base += 4 * blockDim.x) {
+        uint4 r[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int i = base + u * blockDim.x;
+            if (i < nq) r[u] = __ldcg(img + i);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int i = base + u * blockDim.x;
+            if (i < nq) sm[i] = r[u];
+        }
+        if (base == threadIdx.x) tl_mark_at(7);  // thread 0's first four loads stored
+    }
+    if ((chunks & 1) && threadIdx.x == 0)
+        ((float2*)(sm + nd))[chunks - 1] = __ldcg((const float2*)(img + nd) + chunks - 1);
+    tl_mark_at(8);
+    __syncthreads();
 }
 
 // acc_d + the word's 8 codes times the digit d of their inputs, for d = 0, 1, 2 (`e`, `o`: the
@@ -622,7 +724,11 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
     if (staged) {
         // The caller staged x already (mv_stage_all), before it waited.
     } else if constexpr (DP4A) {
-        mvd_stage(x, in, sx4, cols, ssq, ld);
+        if (in.op == MV_IN_DIGITS && !ssq && Cs == C) {  // (a column slice converts its x)
+            mvd_copy((const uint4*)in.x2, (uint4*)sx4, cols >> 5);
+        } else {
+            mvd_stage(x, in, sx4, cols, ssq, ld);
+        }
     } else {
         mv_stage<BITS>(x, in, sx4, ssum, cols, ssq, ld);
     }
