@@ -360,6 +360,28 @@ fn spread_shmem_for(sms: usize, shmem: usize, working: usize, per_sm: usize) -> 
     if padded > MAX_STAGED_X || shmem >= padded { shmem } else { padded }
 }
 
+/// A measurement knob for the `matvec_many` launches without a folded norm (`CHERENKOV_MANY_SPREAD=b`,
+/// a number of blocks a multiprocessor, for example 1.5): each launch plans one wave of `b` blocks a
+/// multiprocessor instead of as many as fit, and pads its shared memory so that no more than
+/// `ceil(b)` fit on one. In session 27's block records the GDN in_proj's 258 working blocks sat 1 or
+/// 3 to a multiprocessor, those on crowded ones ending 2-3 us later; session 21's padding to 2
+/// with the same 258 blocks left no free slot and lost to a second wave (`benchmark/notes-cuda.md`).
+/// Unset (the default): the plans as before. Read once per process.
+fn many_spread() -> Option<f64> {
+    use std::sync::OnceLock;
+    static SPREAD: OnceLock<Option<f64>> = OnceLock::new();
+    *SPREAD.get_or_init(|| {
+        std::env::var("CHERENKOV_MANY_SPREAD").ok().and_then(|v| v.parse::<f64>().ok()).filter(|b| *b > 0.0)
+    })
+}
+
+/// Blocks in one wave of a `matvec_many` part: `per_sm` resident blocks a multiprocessor (or
+/// `spread`'s fewer), the part's `share` of them.
+fn many_wave(sms: usize, per_sm: usize, share: f64, spread: Option<f64>) -> usize {
+    let per_sm = spread.map_or(per_sm as f64, |b| b.min(per_sm as f64));
+    ((sms as f64 * per_sm * share) as usize).max(1)
+}
+
 /// Codes per 16-byte chunk.
 fn chunk_codes(bits: u32) -> usize {
     128 / bits as usize
@@ -594,6 +616,7 @@ fn launch_many(
     let threads = plans.iter().map(|p| p.plan.threads).max().unwrap_or(32);
     let (kernel, min_blocks) = if norm.is_some() { ("matvec_many", 2) } else { many_kernel(&part_bits(parts)) };
     let sms = sms(gpu);
+    let spread = if norm.is_none() { many_spread() } else { None };
     let [x2, xs, op] = input.args();
     let mut args = vec![Arg::Ptr(input.x()), x2, xs, op, Arg::I32(cols as i32), Arg::Ptr(gpu.split_scratch.ptr)];
     let (mut grid_x, mut shmem) = (1usize, 0usize);
@@ -609,7 +632,7 @@ fn launch_many(
                 let sp = plans[i];
                 let tiles = lin.rows.div_ceil(MV_R);
                 let per_sm_blocks = (SM_SHARED / (sp.shmem + 2048)).clamp(1, min_blocks);
-                let wave = (((sms * per_sm_blocks) as f64 * sp.share) as usize).max(1);
+                let wave = many_wave(sms, per_sm_blocks, sp.share, spread);
                 let nb = tiles.div_ceil(threads / sp.plan.lanes).min(wave.div_ceil(sp.slices)).max(1);
                 grid_x = grid_x.max(nb * sp.slices);
                 shmem = shmem.max(sp.shmem);
@@ -649,6 +672,10 @@ fn launch_many(
         None => args.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::I32(0)]),
     }
     args.push(Arg::I32(i32::from(defer_first)));
+    if let Some(b) = spread {
+        let cap = b.ceil() as usize;
+        shmem = spread_shmem_for(sms, shmem, cap * sms, (SM_SHARED / (shmem + 2048)).clamp(1, min_blocks));
+    }
     gpu.launch(kernel, (grid_x as u32, parts.len() as u32, 1), threads as u32, shmem as u32, &args)
 }
 
@@ -1387,6 +1414,20 @@ mod tests {
         assert_eq!(spread_shmem_for(132, 120 << 10, 129, 2), 120 << 10);
         // Never past what the kernels may ask for.
         assert!(spread_shmem_for(8, 1024, 1, 8) <= MAX_STAGED_X);
+    }
+
+    #[test]
+    fn a_spread_many_launch_plans_fewer_blocks_a_wave_and_pads_to_its_ceiling() {
+        // Unset: the resident blocks (3 of matvec_many_48 on 132 multiprocessors), the part's share.
+        assert_eq!(many_wave(132, 3, 1.0, None), 396);
+        assert_eq!(many_wave(132, 3, 0.5, None), 198);
+        // 1.5 a multiprocessor: 198 blocks in the wave, at most 2 fit on one.
+        assert_eq!(many_wave(132, 3, 1.0, Some(1.5)), 198);
+        let fits = |shmem: usize| SM_SHARED / (shmem + 1024);
+        assert_eq!(fits(spread_shmem_for(132, 12 << 10, 2 * 132, 3)), 2);
+        // Never more than fit anyway, and never an empty wave.
+        assert_eq!(many_wave(132, 3, 1.0, Some(5.0)), 396);
+        assert_eq!(many_wave(132, 3, 0.001, Some(0.5)), 1);
     }
 
     /// The released shape's plans on an H200 (132 multiprocessors, the default 512 threads each).
