@@ -417,6 +417,10 @@ pub struct CudaModel {
     /// of the down launch waits for the others (`CHERENKOV_NO_READ_SUM=1`: its last block adds them
     /// up).
     read_sum: bool,
+    /// With `read_sum`, the read's injection logits are left unsummed too and one block more of
+    /// `hc_up_mix` adds them up beside its tiles, so that no block of the read's launch sums them
+    /// at its end (`CHERENKOV_NO_INJECT_BESIDE=1`: the read launch's last block sums them).
+    inject_beside: bool,
     /// The GDN recurrence also writes its output as the out_proj's 4-bit kernel stages it, and
     /// that kernel's blocks copy the image instead of converting the output each
     /// ([`MatvecInput::Digits`]; `CHERENKOV_NO_GDN_DIGITS=1`: every block converts it).
@@ -626,6 +630,7 @@ impl CudaModel {
             route_sum: std::env::var_os("CHERENKOV_NO_ROUTE_SUM").is_none(),
             read_sum: std::env::var_os("CHERENKOV_NO_READ_SUM").is_none(),
             gdn_digits: std::env::var_os("CHERENKOV_NO_GDN_DIGITS").is_none(),
+            inject_beside: std::env::var_os("CHERENKOV_NO_INJECT_BESIDE").is_none(),
             reads_first: std::env::var("CHERENKOV_READS_FIRST").map_or(true, |v| v != "0"),
             cut_weak: None,
             cpu_experts: None,
@@ -1392,15 +1397,16 @@ impl CudaModel {
             // The down projection's sum left to the up projection where its rows are that one's
             // inputs (`read_sum`).
             let defer = self.read_sum && hcw.input_mix_weight_down.rows == up.cols;
-            let norm = FoldedNorm { group: h, eps: c.rms_norm_eps as f32, inv: sc.hc_inv.ptr, defer };
+            let defer_second = defer && self.inject_beside && hcw.block_inject_weight.is_some();
+            let norm = FoldedNorm { group: h, eps: c.rms_norm_eps as f32, inv: sc.hc_inv.ptr, defer, defer_second };
             let normed = Normed::Folded { x: sc.x.ptr, w: hcw.hc_norm.ptr, inv: sc.hc_inv.ptr };
             let sum = match crate::weights::matvec_many_norm(g, sc.x.ptr, hcw.hc_norm.ptr, &down, norm)? {
                 crate::weights::NormLaunch::Unfit => None,
-                crate::weights::NormLaunch::Summed => Some(None),
-                crate::weights::NormLaunch::Deferred(d) => Some(Some(d)),
+                crate::weights::NormLaunch::Summed => Some((None, None)),
+                crate::weights::NormLaunch::Deferred(d, inj) => Some((Some(d), inj.map(|i| (i, sc.inj.ptr)))),
             };
-            if let Some(sum) = sum {
-                if !crate::weights::hc_up_mix(g, up, input, normed, sc.inp.ptr, hc, h, sum)? {
+            if let Some((sum, inject)) = sum {
+                if !crate::weights::hc_up_mix(g, up, input, normed, sc.inp.ptr, hc, h, sum, inject)? {
                     bail!("hc_up_mix refused a read it applies to");
                 }
                 return Ok(());
@@ -1409,7 +1415,7 @@ impl CudaModel {
         self.rmsnorm(sc.x.ptr, hcw.hc_norm.ptr, sc.normed.ptr, hc, h, c.hc_hidden())?;
         matvec_many(g, sc.normed.ptr, &down)?;
         // The up projection and the mix in one launch where the kernel applies.
-        if crate::weights::hc_up_mix(g, up, input, Normed::Stored(sc.normed.ptr), sc.inp.ptr, hc, h, None)? {
+        if crate::weights::hc_up_mix(g, up, input, Normed::Stored(sc.normed.ptr), sc.inp.ptr, hc, h, None, None)? {
             return Ok(());
         }
         hcw.input_mix_weight_up.matvec_in(g, input, sc.mix.ptr)?;

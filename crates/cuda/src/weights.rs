@@ -189,7 +189,7 @@ impl DevLinear {
                         let min_blocks = many_kernel(&[bits]).1;
                         let split = split_plan(gpu, self.rows, self.cols, bits, group_size, min_blocks);
                         if split.slices > 1 {
-                            return launch_many(gpu, input, &[(self, y)], &[split], None, None, false).map(|()| false);
+                            return launch_many(gpu, input, &[(self, y)], &[split], None, None, 0).map(|()| false);
                         }
                     }
                     let a = args_of(tiled_input, group_size, MV_TILED | plan.lanes);
@@ -607,7 +607,7 @@ fn launch_many(
     plans: &[SplitPlan],
     norm: Option<FoldedNorm>,
     conv: Option<FoldedConv>,
-    defer_first: bool,
+    defer_parts: u32,
 ) -> Result<()> {
     debug_assert!(!parts.is_empty() && parts.len() <= MV_PARTS && parts.len() == plans.len());
     debug_assert!(conv.is_none() || plans[0].slices == 1);
@@ -671,7 +671,7 @@ fn launch_many(
         Some(cv) => args.extend([Arg::Ptr(cv.state), Arg::Ptr(cv.w), Arg::I32(cv.k as i32)]),
         None => args.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::I32(0)]),
     }
-    args.push(Arg::I32(i32::from(defer_first)));
+    args.push(Arg::I32(defer_parts as i32));
     if let Some(b) = spread {
         let cap = b.ceil() as usize;
         shmem = spread_shmem_for(sms, shmem, cap * sms, (SM_SHARED / (shmem + 2048)).clamp(1, min_blocks));
@@ -689,6 +689,10 @@ pub struct FoldedNorm {
     /// Leave the first part's column slices unsummed where there is one a group
     /// ([`NormLaunch::Deferred`]; `inv` is then not written).
     pub defer: bool,
+    /// With `defer`, leave the second part's slices unsummed too where it has 4 rows (the
+    /// injection logits) in at most `MAX_SLICES` slices, a whole number a group
+    /// ([`NormLaunch::Deferred`]'s second field, for [`hc_up_mix`]'s extra block).
+    pub defer_second: bool,
 }
 
 /// What [`matvec_many_norm`] queued.
@@ -698,8 +702,9 @@ pub enum NormLaunch {
     Unfit,
     /// Every part summed (and the groups' 1 / rms written to `inv`).
     Summed,
-    /// The first part left as one column slice a group, for its consumer ([`hc_up_mix`]).
-    Deferred(DeferredSlices),
+    /// The first part left as one column slice a group, for its consumer ([`hc_up_mix`]), and
+    /// the second part's slices where they were left too ([`FoldedNorm::defer_second`]).
+    Deferred(DeferredSlices, Option<DeferredSlices>),
 }
 
 /// y_i = W_i n for every part, where n = x / rms(x) * (1 + w) per group of `norm.group` inputs (the
@@ -739,10 +744,23 @@ pub fn matvec_many_norm(
     }
     // Deferred where the first part has one slice a group of `MV_R` (hc_up_mix's streams).
     let defer = norm.defer && cols / norm.group == MV_R && plans[0].slices == MV_R;
-    launch_many(gpu, MatvecInput::OnePlus(x, w), parts, &plans, Some(norm), None, defer)?;
+    let defer_second = defer
+        && norm.defer_second
+        && parts.len() == 2
+        && parts[1].0.rows == MV_R
+        && plans[1].slices > 1
+        && plans[1].slices <= MAX_SLICES
+        && plans[1].slices.is_multiple_of(MV_R);
+    let mask = u32::from(defer) | (u32::from(defer_second) << 1);
+    launch_many(gpu, MatvecInput::OnePlus(x, w), parts, &plans, Some(norm), None, mask)?;
     if defer {
-        let (parts, ssq) = part0_scratch(gpu);
-        return Ok(NormLaunch::Deferred(DeferredSlices { parts, slices: MV_R, ssq, eps: norm.eps }));
+        let (parts, ssq) = part_scratch(gpu, 0);
+        let first = DeferredSlices { parts, slices: MV_R, ssq, eps: norm.eps };
+        let second = defer_second.then(|| {
+            let (parts, ssq) = part_scratch(gpu, 1);
+            DeferredSlices { parts, slices: plans[1].slices, ssq, eps: norm.eps }
+        });
+        return Ok(NormLaunch::Deferred(first, second));
     }
     Ok(NormLaunch::Summed)
 }
@@ -799,11 +817,14 @@ pub struct DeferredSlices {
     pub eps: f32,
 }
 
-/// The split scratch's slices of part 0 (`MV_SCRATCH_HEAD` floats in) and their sums of squares
-/// (after every part's partial sums).
-fn part0_scratch(gpu: &Gpu) -> (u64, u64) {
+/// The split scratch's slices of part p (`MV_SCRATCH_HEAD` floats in, `MV_PART_FLOATS` a part)
+/// and their sums of squares (after every part's partial sums, `MAX_SLICES` a part).
+fn part_scratch(gpu: &Gpu, p: usize) -> (u64, u64) {
     let s = gpu.split_scratch.ptr;
-    (s + (MV_SCRATCH_HEAD * 4) as u64, s + ((MV_SCRATCH_HEAD + MV_PARTS * MV_PART_FLOATS) * 4) as u64)
+    (
+        s + ((MV_SCRATCH_HEAD + p * MV_PART_FLOATS) * 4) as u64,
+        s + ((MV_SCRATCH_HEAD + MV_PARTS * MV_PART_FLOATS + p * MAX_SLICES) * 4) as u64,
+    )
 }
 
 /// [`matvec_many`], leaving the first part's column slices unsummed where the launch splits it
@@ -854,9 +875,10 @@ fn matvec_many_with(
             conv.filter(|c| gi == 0 && plans[0].slices == 1 && c.k > 0 && group[0].0.rows == c.channels && fold_conv());
         folded |= conv.is_some();
         let defer = defer_first && plans[0].slices > 1;
-        launch_many(gpu, MatvecInput::Plain(x), group, &plans, None, conv, defer)?;
+        launch_many(gpu, MatvecInput::Plain(x), group, &plans, None, conv, u32::from(defer))?;
         if defer {
-            deferred = Some(DeferredSlices { parts: part0_scratch(gpu).0, slices: plans[0].slices, ssq: 0, eps: 0.0 });
+            deferred =
+                Some(DeferredSlices { parts: part_scratch(gpu, 0).0, slices: plans[0].slices, ssq: 0, eps: 0.0 });
         }
     }
     Ok((folded, deferred))
@@ -882,7 +904,9 @@ pub fn hc_up_mix_applies(up: &DevLinear, hc: usize, h: usize) -> bool {
 /// false, queueing nothing, where the kernel does not apply ([`hc_up_mix_applies`]): the caller
 /// then runs the matvec and `hc_mix`.
 /// With `sum` (a [`NormLaunch::Deferred`] read of `up.cols` rows), x is that read's slices, added up
-/// as they are loaded, and `normed` is folded with its 1 / rms computed from the slices.
+/// as they are loaded, and `normed` is folded with its 1 / rms computed from the slices. With
+/// `inject` (that read's second part, the injection logits, left unsummed too, and where their sum
+/// goes) one block more adds them up beside the tiles.
 #[allow(clippy::too_many_arguments)]
 pub fn hc_up_mix(
     gpu: &Gpu,
@@ -893,6 +917,7 @@ pub fn hc_up_mix(
     hc: usize,
     h: usize,
     sum: Option<DeferredSlices>,
+    inject: Option<(DeferredSlices, u64)>,
 ) -> Result<bool> {
     let (Precision::Affine { bits, group_size }, Some(shmem)) = (up.precision, up.tiled_shmem()) else {
         return Ok(false);
@@ -913,9 +938,18 @@ pub fn hc_up_mix(
         bail!("hc_up_mix: a deferred read must have one slice a stream ({MV_R}, not {}) and the folded norm", d.slices);
     }
     let d = sum.unwrap_or(DeferredSlices { parts: 0, slices: 0, ssq: 0, eps: 0.0 });
+    if let Some((ij, _)) = inject
+        && (sum.is_none() || ij.ssq == 0 || ij.slices * MV_R > plan.threads || !ij.slices.is_multiple_of(MV_R))
+    {
+        bail!("hc_up_mix: deferred injection logits need the deferred read and at most {} slices", plan.threads / MV_R);
+    }
+    let (ij, ij_out) = match inject {
+        Some((ij, out)) => (ij, out),
+        None => (DeferredSlices { parts: 0, slices: 0, ssq: 0, eps: 0.0 }, 0),
+    };
     gpu.launch(
         "hc_up_mix",
-        (plan.blocks as u32, 1, 1),
+        (plan.blocks as u32 + u32::from(ij_out != 0), 1, 1),
         plan.threads as u32,
         shmem as u32,
         &[
@@ -939,6 +973,10 @@ pub fn hc_up_mix(
             Arg::Ptr(d.parts),
             Arg::Ptr(d.ssq),
             Arg::F32(d.eps),
+            Arg::Ptr(ij.parts),
+            Arg::Ptr(ij.ssq),
+            Arg::I32(ij.slices as i32),
+            Arg::Ptr(ij_out),
         ],
     )?;
     Ok(true)

@@ -1002,7 +1002,7 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
         __syncthreads();
         mv_conv_rows(cv, y, rows, blockIdx.x, nb, L);
     }
-    if (ks > 1 && !(defer && p == 0)) {
+    if (ks > 1 && !defer) {
         unsigned* counter = (unsigned*)scratch + p;
         if (last_block_of(counter, (unsigned)(nb * ks))) {
             __shared__ float mv_scale[MV_MAX_SLICES];
@@ -1093,16 +1093,19 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
 // (x2, xs, op): the input transform (MV_IN_*), applied to every part's x.
 // (norm_group, norm_eps, norm_inv): the folded norm (MvNorm; norm_group 0: none).
 // (conv_state, conv_w, conv_k): the conv folded into part 0 (MvConv; conv_k 0: none).
-// defer_first: part 0's column slices are left unsummed in the scratch for the next kernel, which
-// adds them up itself (the router's: route_topk), so no block waits for the others to sum them.
+// defer_parts: a mask of the parts (bit p: part p) whose column slices are left unsummed in the
+// scratch for a later kernel, which adds them up itself (the router's: route_topk; the
+// hyper-connection read's down projection and injection logits: hc_up_mix), so no block waits for
+// the others to sum them.
 #define MATVEC_MANY_ARGS                                                                                      \
     const float *x, const float *x2, float xs, int op, int cols, float *scratch, MV_PART_ARGS(0), MV_PART_ARGS(1), \
         MV_PART_ARGS(2), MV_PART_ARGS(3), int norm_group, float norm_eps, float *norm_inv, float *conv_state,      \
-        const float *conv_w, int conv_k, int defer_first
+        const float *conv_w, int conv_k, int defer_parts
 #define MATVEC_MANY_PART(B, NORM)                                                                             \
     matvec_many_part<B, NORM>(x, MvIn{x2, xs, op}, cols, MV_SEL(g), scratch, MV_SEL(W), MV_SEL(S), MV_SEL(Bi),      \
                         MV_SEL(y), MV_SEL(r), MV_SEL(l), MV_SEL(n), MV_SEL(k),                               \
-                        MvNorm{norm_group, norm_eps, norm_inv}, MvConv{conv_state, conv_w, conv_k}, defer_first != 0)
+                        MvNorm{norm_group, norm_eps, norm_inv}, MvConv{conv_state, conv_w, conv_k},          \
+                        NORM ? ((defer_parts >> p) & 1) != 0 : p == 0 && defer_parts != 0)
 // (matvec_many_part waits for the previous kernel: mv_core's EARLY.)
 extern "C" __global__ void __launch_bounds__(256, 2) matvec_many(MATVEC_MANY_ARGS) {
     KSPAN;
@@ -1140,9 +1143,37 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_many_48(MATVEC_MANY_
 // matvec_many with the norm folded in) normed is not stored either: normed[i] = xr[i] inv[s]
 // (1 + w[i]), the expression of rmsnorm_zc (ops.cu), from the residual xr and the norm weight w.
 //
-// With `parts` the read's down projection left its sum to this kernel (matvec_many's defer_first,
+// With `parts` the read's down projection left its sum to this kernel (matvec_many's defer_parts,
 // with the folded norm, one column slice a stream): x is loaded as that sum (MvLdSlices) and the
 // streams' 1 / rms are computed while loading, into `hc_inv` (shared), in place of `inv`.
+//
+// With `ij_out` the read's injection logits were left unsummed too (their ij_slices column slices of
+// MV_R rows, ij_slices / MV_R a stream, and the slices' sums of squares): the grid's last block adds
+// them up into ij_out, as matvec_many_part's last block would have, while the others compute the
+// tiles. That block takes one round trip and a few sums, far less than a tile's block, so the sum
+// leaves the read's launch without lengthening this one (session 25 had this kernel's last block
+// add them after its tiles, on the path to the next launch, and lost).
+__device__ __noinline__ void hc_inject_sum(const float* ij_parts, const float* ij_ssq, int ks, float* ij_out, int H,
+                                           float eps) {
+    __shared__ float sums[MV_MAX_SLICES * MV_R], sq_s[MV_MAX_SLICES], scale[MV_MAX_SLICES];
+    const int t = threadIdx.x, per = ks / MV_R;
+    if (t < ks) sq_s[t] = __ldcg(ij_ssq + t);
+    if (t < ks * MV_R) sums[t] = __ldcg(ij_parts + t);
+    __syncthreads();
+    if (t < ks) {
+        const int g0s = (t / per) * per;
+        float sq = 0.0f;
+        for (int i = 0; i < per; i++) sq += sq_s[g0s + i];
+        scale[t] = rsqrtf(sq / (float)H + eps);
+    }
+    __syncthreads();
+    if (t < MV_R) {
+        float s = 0.0f;
+        for (int k = 0; k < ks; k++) s += scale[k] * sums[k * MV_R + t];
+        ij_out[t] = s;
+    }
+}
+
 struct MvLdSlices {
     const float* ssq;  // the slices' sums of squares; null: x as it is (mv_ld4)
     float eps;
@@ -1179,7 +1210,8 @@ template <int BITS>
 __device__ __forceinline__ void hc_up_mix_impl(const u32* W, const u16* S, const u16* B, const float* x, const MvIn in,
                                                const float* normed, const float* xr, const float* w,
                                                const float* inv, float* out, int H, int cols, int gs, int L,
-                                               const float* parts, const float* ssq, float eps, float* hc_inv) {
+                                               const float* parts, const float* ssq, float eps, float* hc_inv,
+                                               int nblk) {
     typedef MvFmt<BITS> F;
     if (parts) {
         x = parts;
@@ -1210,7 +1242,7 @@ __device__ __forceinline__ void hc_up_mix_impl(const u32* W, const u16* S, const
         }
 #endif
     };
-    mv_core<BITS, MV_STREAMS, true, INT>(a, a, x, in, H, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,
+    mv_core<BITS, MV_STREAMS, true, INT>(a, a, x, in, H, C, C, gpr, gshift, L, blockIdx.x, nblk,
                               [&](int t, const float* v) {
                                   const bool held = t == pt;
                                   float acc = 0.0f;
@@ -1229,21 +1261,32 @@ __device__ __forceinline__ void hc_up_mix_impl(const u32* W, const u16* S, const
 extern "C" __global__ void __launch_bounds__(256, 2)
     hc_up_mix(const u32* W, const u16* S, const u16* B, const float* x, const float* x2, float xs, int op,
               const float* normed, float* out, int H, int cols, int gs, int bits, int L, const float* xr,
-              const float* w, const float* inv, const float* parts, const float* ssq, float eps) {
+              const float* w, const float* inv, const float* parts, const float* ssq, float eps,
+              const float* ij_parts, const float* ij_ssq, int ij_slices, float* ij_out) {
     // (The streams' 1 / rms where the read's sum was deferred: MvLdSlices.)
     __shared__ float hc_inv[MV_R];
     KSPAN;
+    // The injection logits' sum: the grid's last block (one more than the tiles' blocks).
+    int nblk = gridDim.x;
+    if (ij_out) {
+        nblk--;
+        if ((int)blockIdx.x == nblk) {
+            grid_enter();
+            hc_inject_sum(ij_parts, ij_ssq, ij_slices, ij_out, H, eps);
+            return;
+        }
+    }
     // (hc_up_mix_impl waits for the previous kernel: mv_core's EARLY.)
     const MvIn in{x2, xs, op};
     switch (bits) {
         case 2:
-            hc_up_mix_impl<2>(W, S, B, x, in, normed, xr, w, inv, out, H, cols, gs, L, parts, ssq, eps, hc_inv);
+            hc_up_mix_impl<2>(W, S, B, x, in, normed, xr, w, inv, out, H, cols, gs, L, parts, ssq, eps, hc_inv, nblk);
             break;
         case 4:
-            hc_up_mix_impl<4>(W, S, B, x, in, normed, xr, w, inv, out, H, cols, gs, L, parts, ssq, eps, hc_inv);
+            hc_up_mix_impl<4>(W, S, B, x, in, normed, xr, w, inv, out, H, cols, gs, L, parts, ssq, eps, hc_inv, nblk);
             break;
         default:
-            hc_up_mix_impl<8>(W, S, B, x, in, normed, xr, w, inv, out, H, cols, gs, L, parts, ssq, eps, hc_inv);
+            hc_up_mix_impl<8>(W, S, B, x, in, normed, xr, w, inv, out, H, cols, gs, L, parts, ssq, eps, hc_inv, nblk);
             break;
     }
 }
