@@ -433,8 +433,9 @@ fn upload_linear(
 }
 
 /// The tiled 4-bit matvec on the GDN out_proj's shape with its input as a producer's staged image
-/// ([`MatvecInput::Digits`], written by `mvd_image` as the GDN recurrence writes it): against the
-/// CPU, and bit for bit against the same matvec staging x itself.
+/// ([`MatvecInput::Digits`], written by `mvd_image` as the GDN recurrence writes it, a chunk a
+/// warp, and as `attend`'s merge does, 8 a warp): against the CPU, and bit for bit against the
+/// same matvec staging x itself.
 fn image_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
     use crate::weights::MatvecInput;
     let (r, c) = (2560usize, 6144usize);
@@ -442,35 +443,39 @@ fn image_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
     x[..32].fill(0.0); // a chunk of zeros (xs = 0)
     let dx = gpu.alloc(c * 4, "check input")?;
     gpu.htod(dx.ptr, &x)?;
-    let img = gpu.zeros(c * 4, "check input image")?;
-    gpu.launch(
-        "mvd_image",
-        (c.div_ceil(32 * 8) as u32, 1, 1),
-        256,
-        0,
-        &[Arg::Ptr(dx.ptr), Arg::Ptr(img.ptr), Arg::I32(c as i32)],
-    )?;
     let (lin, _bufs, want) = rand_linear(gpu, rng, Affine::new(4, 64), r, c, &x)?;
     let dy = gpu.zeros(2 * r * 4, "check output")?;
     let y2 = dy.ptr + (r * 4) as u64;
     lin.matvec_in(gpu, MatvecInput::Plain(dx.ptr), dy.ptr)?;
-    lin.matvec_in(gpu, MatvecInput::Digits(dx.ptr, img.ptr), y2)?;
-    let (mut a, mut b) = (vec![0f32; r], vec![0f32; r]);
+    let mut a = vec![0f32; r];
     gpu.dtoh(dy.ptr, &mut a)?;
-    gpu.dtoh(y2, &mut b)?;
-    let differ = a.iter().zip(&b).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
-    Ok(vec![
-        CheckRow {
-            name: format!("matvec q4 g64 {r}x{c} from its producer's staged image"),
+    let mut rows = Vec::new();
+    // A chunk a warp (the GDN recurrence), then 8 a warp (attend's merge, mvd_put_chunks).
+    for (per, what) in [(1usize, ""), (8, ", 8 chunks a warp")] {
+        let img = gpu.zeros(c * 4, "check input image")?;
+        gpu.launch(
+            "mvd_image",
+            (c.div_ceil(32 * 8 * per) as u32, 1, 1),
+            256,
+            0,
+            &[Arg::Ptr(dx.ptr), Arg::Ptr(img.ptr), Arg::I32(c as i32), Arg::I32(per as i32)],
+        )?;
+        lin.matvec_in(gpu, MatvecInput::Digits(dx.ptr, img.ptr), y2)?;
+        let mut b = vec![0f32; r];
+        gpu.dtoh(y2, &mut b)?;
+        let differ = a.iter().zip(&b).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
+        rows.push(CheckRow {
+            name: format!("matvec q4 g64 {r}x{c} from its producer's staged image{what}"),
             rel_err: rel_err(&b, &want),
             limit: LINEAR_LIMIT,
-        },
-        CheckRow {
-            name: format!("matvec q4 g64 {r}x{c}, image against staging x (fraction of rows not identical)"),
+        });
+        rows.push(CheckRow {
+            name: format!("matvec q4 g64 {r}x{c}, image{what} against staging x (fraction of rows not identical)"),
             rel_err: differ as f64 / r as f64,
             limit: 0.0,
-        },
-    ])
+        });
+    }
+    Ok(rows)
 }
 
 /// The tiled kernels on the model's shapes: column-split matvecs (few rows, many columns), several

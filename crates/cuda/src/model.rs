@@ -425,6 +425,14 @@ pub struct CudaModel {
     /// that kernel's blocks copy the image instead of converting the output each
     /// ([`MatvecInput::Digits`]; `CHERENKOV_NO_GDN_DIGITS=1`: every block converts it).
     gdn_digits: bool,
+    /// `attend`'s merge applies the attention output gate (x sigmoid(gate)), so that the output
+    /// projection stages a plain input (`CHERENKOV_NO_ATTEND_GATE=1`: the projection applies it,
+    /// every block computing the sigmoids as it stages).
+    attend_gate: bool,
+    /// With `attend_gate`, the merge also writes its output as the output projection's 4-bit kernel
+    /// stages it, as the GDN recurrence does for its out_proj (`CHERENKOV_NO_ATTEND_DIGITS=1`: the
+    /// projection's blocks convert it).
+    attend_digits: bool,
     /// Streaming: a block's read experts are queued before its lookahead's host work where the host
     /// has nothing to wait for (see `moe`; `CHERENKOV_READS_FIRST=0` queues them after it).
     reads_first: bool,
@@ -630,6 +638,8 @@ impl CudaModel {
             route_sum: std::env::var_os("CHERENKOV_NO_ROUTE_SUM").is_none(),
             read_sum: std::env::var_os("CHERENKOV_NO_READ_SUM").is_none(),
             gdn_digits: std::env::var_os("CHERENKOV_NO_GDN_DIGITS").is_none(),
+            attend_gate: std::env::var_os("CHERENKOV_NO_ATTEND_GATE").is_none(),
+            attend_digits: std::env::var_os("CHERENKOV_NO_ATTEND_DIGITS").is_none(),
             inject_beside: std::env::var_os("CHERENKOV_NO_INJECT_BESIDE").is_none(),
             reads_first: std::env::var("CHERENKOV_READS_FIRST").map_or(true, |v| v != "0"),
             cut_weak: None,
@@ -1508,7 +1518,7 @@ impl CudaModel {
         } else {
             self.attn_prep_launches(sc, aw, st)?;
         }
-        let [_, q, _, _, _, attn, iq] = &sc.big;
+        let [qg, q, _, _, _, attn, iq] = &sc.big;
 
         // QSA: which tokens this query sees (None: all of 0..=pos).
         let mut list: Option<Vec<i32>> = None;
@@ -1563,6 +1573,18 @@ impl CudaModel {
             bail!("attention head_dim {d} is wider than the CUDA attend kernel takes ({})", 32 * ATTEND_MAX_R);
         }
         let group = [4, 2, 1].into_iter().find(|g| (nh / nkv.max(1)).is_multiple_of(*g)).unwrap_or(1);
+        // The merge gates its output, and where o_proj is 4-bit and a head whole 32-input chunks,
+        // writes the staged image too, into `qg` (read by attn_prep only; the image's 3.75 bytes an
+        // input fit its 8 a head dimension).
+        let image = self.attend_gate
+            && self.attend_digits
+            && d.is_multiple_of(32)
+            && matches!(aw.o_proj.precision, Precision::Affine { bits: 4, .. });
+        let (gate_arg, digits_arg) = match (self.attend_gate, image) {
+            (false, _) => (0, 0),
+            (true, false) => (gate.ptr, 0),
+            (true, true) => (gate.ptr, qg.ptr),
+        };
         g.launch(
             "attend",
             ((nh / group) as u32, ATTEND_SPLITS as u32, 1),
@@ -1582,10 +1604,17 @@ impl CudaModel {
                 Arg::I32(nkv as i32),
                 Arg::I32(d as i32),
                 Arg::F32(1.0 / (d as f32).sqrt()),
+                Arg::Ptr(gate_arg),
+                Arg::Ptr(digits_arg),
             ],
         )?;
-        // attn * sigmoid(gate), applied by o_proj as it stages its input.
-        aw.o_proj.matvec_to(g, MatvecInput::MulSigmoid(attn.ptr, gate.ptr), out)
+        let input = match (self.attend_gate, image) {
+            // attn * sigmoid(gate), applied by o_proj as it stages its input.
+            (false, _) => MatvecInput::MulSigmoid(attn.ptr, gate.ptr),
+            (true, false) => MatvecInput::Plain(attn.ptr),
+            (true, true) => MatvecInput::Digits(attn.ptr, qg.ptr),
+        };
+        aw.o_proj.matvec_to(g, input, out)
     }
 
     /// What `attn_prep` does, as the separate launches it replaced (`CHERENKOV_NO_FUSED_ATTN_PREP=1`,

@@ -162,6 +162,13 @@ extern "C" __global__ void attn_prep(const float* qg, float* q, float* gate, con
 // splits, so about sqrt(2 n) splits of sqrt(n / 2) tokens make the fewest in a row. At a 93-token
 // context 32 splits of 3 tokens left the merging block 6 round trips and about 10 us after the
 // others (session 22). `ATTEND_ALL_SPLITS` compiles the grid's splits always.
+//
+// With `gate` the merge writes out * sigmoid(gate) (the attention output gate, mul_sigmoid's
+// expression, gate laid out as out), so the output projection stages a plain input instead of
+// every one of its blocks computing the head's sigmoids again (6144 a block, 320 blocks: about 5 us
+// of a 6 us staging in session 28). With `digits` too (d a multiple of 32), each merging warp also
+// writes that output as the 4-bit tiled matvec stages it (mvd_put_chunk, as the GDN recurrence
+// does): its lanes hold dims lane + 32 r of one head, whole 32-input chunks.
 #define ATTEND_R 8
 #define ATTEND_U 4
 // Splits whose rows the merging warp loads at once (CHERENKOV_KERNEL_DEFINES=ATTEND_MERGE=1: one at a
@@ -180,7 +187,7 @@ __device__ __forceinline__ int attend_splits(int n, int grid_splits) {
 extern "C" __global__ void attend(const float* __restrict__ q, const float* __restrict__ kc,
                                   const float* __restrict__ vc, const int* __restrict__ idx, int n,
                                   const int* step, float* part, int* count, float* out, int heads, int kv_heads,
-                                  int d, float scale) {
+                                  int d, float scale, const float* __restrict__ gate, u32* digits) {
     KSPAN;
     grid_enter();
     const int G = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -268,6 +275,14 @@ extern "C" __global__ void attend(const float* __restrict__ q, const float* __re
         mine[d + 1] = l;
     }
     tl_mark();
+    // The gate (written by attn_prep, which this launch waited for), requested before the count's
+    // round trip: only the merging block uses it.
+    float gv[ATTEND_R];
+#pragma unroll
+    for (int r = 0; r < ATTEND_R; r++) {
+        const int j = lane + 32 * r;
+        gv[r] = gate && j < d ? __ldcg(gate + (size_t)h * d + j) : 0.0f;
+    }
     // The last block of the head group merges (the classic fence-and-count reduction).
     if (!last_block_of((unsigned*)count + blockIdx.x, (unsigned)S)) return;
     if (threadIdx.x == 0) count[blockIdx.x] = 0;
@@ -312,9 +327,13 @@ extern "C" __global__ void attend(const float* __restrict__ q, const float* __re
     }
     tl_mark_at(6);  // the merge's loads in and added
     const float inv = 1.0f / L;
+    float y[ATTEND_R];
 #pragma unroll
     for (int r = 0; r < ATTEND_R; r++) {
         const int j = lane + 32 * r;
-        if (j < d) out[(size_t)h * d + j] = o[r] * inv;
+        y[r] = gate ? (o[r] * inv) * sigmoidf_(gv[r]) : o[r] * inv;
+        if (j < d) out[(size_t)h * d + j] = y[r];
     }
+    // (d is a multiple of 32 where digits is given: chunk h d / 32 + r is dims 32 r.. of head h.)
+    if (digits) mvd_put_chunks<ATTEND_R>(digits, heads * d / 32, h * d / 32, y, d / 32);
 }

@@ -493,41 +493,85 @@ __device__ __forceinline__ void mvd_stage(const float* __restrict__ x, const MvI
 // ((x + y) + (z + w)) over 4 lanes, then lanes xor 4, 8, 16 as mvd_stage's threads xor 1, 2, 4).
 // Word L < 24 of the chunk is digit d = (L % 6) / 2 of the even (L % 2 == 0) or odd inputs of word
 // k = L / 6, byte p from lane 8 k + 2 p + L % 2; lanes 24..27 zero the chunk's padding.
-__device__ __forceinline__ void mvd_put_chunk(u32* __restrict__ img, int chunks, int c, float v) {
+//
+// mvd_put_chunks writes N chunks c0 .. c0 + N - 1 at once (lane l holding input 32 (c0 + i) + l
+// in v[i]), their shuffles interleaved, and stores the first n (warp-uniform); each chunk's
+// expressions are mvd_put_chunk's. A warp writing 8 chunks one after another waits 8 chains of
+// about 20 dependent shuffles (attend's merge, session 28).
+template <int N>
+__device__ __forceinline__ void mvd_put_chunks(u32* __restrict__ img, int chunks, int c0, const float (&v)[N], int n) {
     const int lane = threadIdx.x & 31;
-    float s = v + __shfl_xor_sync(0xffffffffu, v, 1);
-    s += __shfl_xor_sync(0xffffffffu, s, 2);
-    float mx = fabsf(v);
+    float s[N], mx[N];
 #pragma unroll
-    for (int o = 1; o < 4; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    for (int i = 0; i < N; i++) s[i] = v[i] + __shfl_xor_sync(0xffffffffu, v[i], 1);
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        s[i] += __shfl_xor_sync(0xffffffffu, s[i], 2);
+        mx[i] = fabsf(v[i]);
+    }
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) {
+#pragma unroll
+        for (int i = 0; i < N; i++) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], o));
+    }
 #pragma unroll
     for (int o = 4; o < 32; o <<= 1) {
-        s += __shfl_xor_sync(0xffffffffu, s, o);
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+#pragma unroll
+        for (int i = 0; i < N; i++) {
+            s[i] += __shfl_xor_sync(0xffffffffu, s[i], o);
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], o));
+        }
     }
-    const float inv = mx > 0.0f ? MVD_QMAX / mx : 0.0f;
-    const int q = __float_as_int(fmaf(v, inv, 12582912.0f)) - 0x4B400000;
-    // Byte d of `pack`: digit d of this lane's input.
-    const u32 pack = (u32)(q & 0xff) | ((u32)(((q + 128) >> 8) & 0xff) << 8) | ((u32)(((q + 32896) >> 16) & 0xff) << 16);
     const int k = lane / 6, m = lane % 6, d = m >> 1, par = m & 1;
     const int src = lane < 24 ? 8 * k + par : 0;  // lanes >= 24 write no digits
-    u32 word = 0;
+    u32 pack[N], word[N];
 #pragma unroll
-    for (int p = 0; p < 4; p++) word |= ((__shfl_sync(0xffffffffu, pack, src + 2 * p) >> (8 * d)) & 0xffu) << (8 * p);
-    u32* w = img + (size_t)c * MVD_CHUNK * 4;
-    if (lane < 24) w[lane] = word;
-    else if (lane < 4 * MVD_CHUNK) w[lane] = 0;
-    if (lane == 0) ((float2*)(img + (size_t)chunks * MVD_CHUNK * 4))[c] = make_float2(mx / MVD_QMAX, s);
+    for (int i = 0; i < N; i++) {
+        const float inv = mx[i] > 0.0f ? MVD_QMAX / mx[i] : 0.0f;
+        const int q = __float_as_int(fmaf(v[i], inv, 12582912.0f)) - 0x4B400000;
+        // Byte d of `pack`: digit d of this lane's input.
+        pack[i] = (u32)(q & 0xff) | ((u32)(((q + 128) >> 8) & 0xff) << 8) | ((u32)(((q + 32896) >> 16) & 0xff) << 16);
+        word[i] = 0;
+    }
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+#pragma unroll
+        for (int i = 0; i < N; i++) word[i] |= ((__shfl_sync(0xffffffffu, pack[i], src + 2 * p) >> (8 * d)) & 0xffu) << (8 * p);
+    }
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        if (i >= n) break;
+        const int c = c0 + i;
+        u32* w = img + (size_t)c * MVD_CHUNK * 4;
+        if (lane < 24) w[lane] = word[i];
+        else if (lane < 4 * MVD_CHUNK) w[lane] = 0;
+        if (lane == 0) ((float2*)(img + (size_t)chunks * MVD_CHUNK * 4))[c] = make_float2(mx[i] / MVD_QMAX, s[i]);
+    }
 }
 
-// x's staged image (n inputs, a multiple of 32), one warp a chunk: what a producer that holds its
-// outputs as whole warps writes with mvd_put_chunk (the GDN recurrence), for the GPU check, which
-// compares the tiled 4-bit matvec from this image with the same matvec staging x.
-extern "C" __global__ void mvd_image(const float* __restrict__ x, u32* img, int n) {
+__device__ __forceinline__ void mvd_put_chunk(u32* __restrict__ img, int chunks, int c, float v) {
+    const float a[1] = {v};
+    mvd_put_chunks<1>(img, chunks, c, a, 1);
+}
+
+// x's staged image (n inputs, a multiple of 32): what a producer that holds its outputs as whole
+// warps writes, for the GPU check, which compares the tiled 4-bit matvec from this image with the
+// same matvec staging x. per = 1: a chunk a warp with mvd_put_chunk (the GDN recurrence); per = 8:
+// 8 chunks a warp with mvd_put_chunks (attend's merge), the last warp's fewer where n ends.
+extern "C" __global__ void mvd_image(const float* __restrict__ x, u32* img, int n, int per) {
     KSPAN;
     grid_enter();
-    const int chunks = n / 32, c = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (c < chunks) mvd_put_chunk(img, chunks, c, x[32 * c + (threadIdx.x & 31)]);
+    const int chunks = n / 32, w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (per == 1) {
+        if (w < chunks) mvd_put_chunk(img, chunks, w, x[32 * w + lane]);
+        return;
+    }
+    const int c0 = 8 * w;
+    if (c0 >= chunks) return;
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = c0 + i < chunks ? x[32 * (c0 + i) + lane] : 0.0f;
+    mvd_put_chunks<8>(img, chunks, c0, v, min(8, chunks - c0));
 }
 
 // Copies x's staged image `img` (MV_IN_DIGITS: chunks of 32 inputs) into shared memory as mvd_stage
