@@ -366,6 +366,7 @@ fn spread_shmem_for(sms: usize, shmem: usize, working: usize, per_sm: usize) -> 
 /// `ceil(b)` fit on one. In session 27's block records the GDN in_proj's 258 working blocks sat 1 or
 /// 3 to a multiprocessor, those on crowded ones ending 2-3 us later; session 21's padding to 2
 /// with the same 258 blocks left no free slot and lost to a second wave (`benchmark/notes-cuda.md`).
+/// Session 28 ran 1.5, 1.75 and 2: each was slower (the in_proj's last block 4-5 us later).
 /// Unset (the default): the plans as before. Read once per process.
 fn many_spread() -> Option<f64> {
     use std::sync::OnceLock;
