@@ -1659,7 +1659,7 @@ impl<M: SlotMemory> Drop for Lease<'_, M> {
 
 #[cfg(test)]
 mod tests {
-    use super::SlotIndex;
+    use super::{Evictable, OrdF64, Rank, Slot, SlotIndex, State};
 
     #[test]
     fn the_slot_index_keeps_each_layer_and_expert_apart() {
@@ -1676,5 +1676,74 @@ mod tests {
         ix.remove(&(1, 4));
         assert!(!ix.contains_key(&(1, 4)));
         assert_eq!(ix.iter().count(), 1);
+    }
+
+    /// The stale-entry heap takes its victims in rank order among the slots still evictable under
+    /// the rank they were entered with, and tidying drops only stale entries.
+    #[test]
+    fn the_eviction_heap_skips_stale_entries() {
+        let rank = |p: f64, t: u64| -> Rank { (OrdF64(p), t) };
+        let mut slots: Vec<Slot> = (0..6).map(|_| Slot::free()).collect();
+        let mut ev = Evictable::default();
+        // Slots 0..6 evictable at priorities 5, 3, 4, 1, 2, 0 (ticks 1..6).
+        for (s, p) in [5.0, 3.0, 4.0, 1.0, 2.0, 0.0].into_iter().enumerate() {
+            slots[s].state = State::Ready;
+            slots[s].rank = rank(p, s as u64 + 1);
+            ev.insert(slots[s].rank, s);
+        }
+        assert_eq!(ev.len(), 6);
+        // Slot 5 (the lowest) is pinned and re-ranked by an acquire: its entry goes stale.
+        ev.remove();
+        slots[5].pins = 1;
+        slots[5].rank = rank(9.0, 7);
+        // Slot 3 is re-ranked without a pin (a replayed step's hit): stale entry, new entry.
+        ev.remove();
+        slots[3].rank = rank(8.0, 8);
+        ev.insert(slots[3].rank, 3);
+        assert_eq!(ev.len(), 5);
+        assert_eq!(ev.heap.len(), 7);
+        assert_eq!(ev.pop_first(&slots), Some(4)); // priority 2; slots 5 and 3's old entries skipped
+        slots[4].state = State::Loading; // reloaded with another record
+        assert_eq!(ev.len(), 4);
+        // The lease drops: slot 5 evictable again under its new rank.
+        slots[5].pins = 0;
+        ev.insert(slots[5].rank, 5);
+        // Tidying keeps every live entry (here below its threshold, so nothing is scanned).
+        ev.tidy(&slots);
+        let order: Vec<usize> = std::iter::from_fn(|| ev.pop_first(&slots)).collect();
+        assert_eq!(order, [1, 2, 0, 3, 5]);
+        assert_eq!(ev.len(), 0);
+        assert!(ev.heap.is_empty());
+    }
+
+    /// Tidying, once stale entries outnumber live ones, leaves exactly the live ones.
+    #[test]
+    fn tidying_the_eviction_heap_keeps_the_live_entries() {
+        let mut slots: Vec<Slot> = (0..40).map(|_| Slot::free()).collect();
+        let mut ev = Evictable::default();
+        let mut tick = 0;
+        for (s, slot) in slots.iter_mut().enumerate() {
+            tick += 1;
+            slot.state = State::Ready;
+            slot.rank = (OrdF64(s as f64), tick);
+            ev.insert(slot.rank, s);
+        }
+        // 110 re-rankings of slots 0..40 in turn: 110 stale entries against 40 live, past the
+        // threshold (2 x 40 + 64 entries).
+        for i in 0..110 {
+            let s = i % 40;
+            tick += 1;
+            ev.remove();
+            slots[s].rank = (OrdF64(100.0 + i as f64), tick);
+            ev.insert(slots[s].rank, s);
+        }
+        assert_eq!((ev.len(), ev.heap.len()), (40, 150));
+        ev.tidy(&slots);
+        assert_eq!((ev.len(), ev.heap.len()), (40, 40));
+        // The victims: those re-ranked twice (slots 30..40, last at i 70..80) before those re-ranked
+        // three times (0..30, at 80..110), each group in the order it was re-ranked.
+        let order: Vec<usize> = std::iter::from_fn(|| ev.pop_first(&slots)).collect();
+        let want: Vec<usize> = (30..40).chain(0..30).collect();
+        assert_eq!(order, want);
     }
 }
