@@ -1,6 +1,7 @@
 //! The timeline analysis scripts (`tools/gpu/timeline_tails.py`, `timeline_sms.py`,
-//! `timeline_marks.py`, `timeline_phases.py`) on block records made up here, so that a change to
-//! the record format or the grouping shows before a device call does. Needs `python3` (CI has it).
+//! `timeline_marks.py`, `timeline_phases.py`; `timeline_kernels.py` on a launch table) on block
+//! records made up here, so that a change to the record format or the grouping shows before a
+//! device call does. Needs `python3` (CI has it).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -110,4 +111,52 @@ fn the_phases_script_puts_each_files_mark_beside_the_others() {
     // (4 us each); the working blocks' mean end after their wait (8, 8, 12, 6, 6, 6 us) and the last
     // end after the first wait.
     assert_eq!(cols[1..], ["8", "1", "1.80", "4.00", "7.67", "12.00"], "{cols:?}");
+}
+
+/// A launch table (`CHERENKOV_TIMELINE`'s `.tsv`) of four launches: `b` twice, after `a` and after
+/// `c`, with different grids.
+fn launch_table() -> String {
+    let mut s = String::from("# a launch table made up for the test\n");
+    s += "launch\tkernel\tblocks\tstart\twaited\twaited_last\tend\tgap\town\tadded\n";
+    for row in [
+        "0\ta\t10\t0.00\t0.10\t0.20\t2.00\t0.10\t1.90\t2.00",
+        "1\tb\t320\t1.00\t2.50\t2.60\t7.50\t0.50\t5.00\t5.50",
+        "2\tc\t48\t6.00\t8.00\t8.00\t10.00\t0.50\t2.00\t2.50",
+        "3\tb\t320\t9.00\t10.50\t10.60\t13.50\t0.50\t3.00\t3.50",
+    ] {
+        s += row;
+        s += "\n";
+    }
+    s
+}
+
+#[test]
+fn the_kernels_script_splits_a_kernel_by_grid_and_predecessor() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tl-step1.tsv");
+    std::fs::write(&path, launch_table()).unwrap();
+    let run = |split: bool| {
+        let mut cmd = Command::new("python3");
+        cmd.arg(script("timeline_kernels.py"));
+        if split {
+            cmd.arg("--split");
+        }
+        let out = cmd.arg(&path).output().expect("python3 runs");
+        assert!(out.status.success(), "timeline_kernels.py failed: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).expect("UTF-8 output")
+    };
+    let cols = |out: &str, name: &str| -> Vec<String> {
+        let row =
+            out.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap_or_else(|| panic!("no {name} in:\n{out}"));
+        row.split_whitespace().map(str::to_string).collect()
+    };
+    // Together: 2 launches, own 8, added 9, 4.5 a launch; the step ends at 13.5 us.
+    let whole = run(false);
+    assert_eq!(cols(&whole, "b")[1..], ["2", "8.00", "9.00", "4.50"], "{whole}");
+    assert!(whole.contains("step 13.5 us"), "{whole}");
+    // Apart: after a, and after c.
+    let split = run(true);
+    assert_eq!(cols(&split, "b/320<a")[1..], ["1", "5.00", "5.50", "5.50"], "{split}");
+    assert_eq!(cols(&split, "b/320<c")[1..], ["1", "3.00", "3.50", "3.50"], "{split}");
+    assert_eq!(cols(&split, "a/10<-")[1], "1", "{split}");
 }
