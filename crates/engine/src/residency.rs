@@ -491,8 +491,8 @@ impl Evictable {
         self.len = 0;
     }
 
-    /// Drops the stale entries once they outnumber the live ones (a scan of the heap: about 10 us
-    /// for a few thousand slots on the CPU machine, so only where the host has time to spare).
+    /// Drops the stale entries once they outnumber the live ones (a scan of the whole heap, so only
+    /// where the host has time to spare: its cost shows in `pool_host_cost`'s ghosts column).
     fn tidy(&mut self, slots: &[Slot]) {
         if self.heap.len() > 2 * self.len + 64 {
             self.heap.retain(|Reverse((rank, s))| Evictable::live(slots, *rank, *s));
