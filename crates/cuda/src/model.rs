@@ -1335,10 +1335,7 @@ impl CudaModel {
         // The split kernel's head is whole warps (and whole 32-input chunks) where dv is a multiple
         // of 32: then it writes the out_proj's staged image too (its 3.75 bytes an input fit the
         // scratch vector's 4), for 4-bit out_proj weights (the only ones staged that way).
-        let image = self.gdn_digits
-            && split
-            && dv.is_multiple_of(32)
-            && matches!(gw.out_proj.precision, Precision::Affine { bits: 4, .. });
+        let image = self.gdn_digits && split && dv.is_multiple_of(32) && gw.out_proj.stages_digits();
         let input = if image { MatvecInput::Digits(core.ptr, digits.ptr) } else { MatvecInput::Plain(core.ptr) };
         g.launch(
             kernel,
@@ -1576,10 +1573,7 @@ impl CudaModel {
         // The merge gates its output, and where o_proj is 4-bit and a head whole 32-input chunks,
         // writes the staged image too, into `qg` (read by attn_prep only; the image's 3.75 bytes an
         // input fit its 8 a head dimension).
-        let image = self.attend_gate
-            && self.attend_digits
-            && d.is_multiple_of(32)
-            && matches!(aw.o_proj.precision, Precision::Affine { bits: 4, .. });
+        let image = self.attend_gate && self.attend_digits && d.is_multiple_of(32) && aw.o_proj.stages_digits();
         let (gate_arg, digits_arg) = match (self.attend_gate, image) {
             (false, _) => (0, 0),
             (true, false) => (gate.ptr, 0),

@@ -105,6 +105,12 @@ pub fn hc_inject(gpu: &Gpu, x: u64, inj: u64, out: u64, hc: usize, h: usize) -> 
 }
 
 impl DevLinear {
+    /// Whether a producer's staged image of this matrix's input is worth writing
+    /// ([`MatvecInput::Digits`]): only 4-bit rows are staged as digits (linear.cu's `MV_DP4A`).
+    pub fn stages_digits(&self) -> bool {
+        matches!(self.precision, Precision::Affine { bits: 4, .. })
+    }
+
     /// y = W x (x: cols floats, y: rows floats).
     pub fn matvec(&self, gpu: &Gpu, x: u64, y: u64) -> Result<()> {
         self.matvec_in(gpu, MatvecInput::Plain(x), y)
