@@ -191,6 +191,13 @@ pub trait SlotMemory: Send + Sync + 'static {
     fn end_batch(&self) -> Result<()> {
         Ok(())
     }
+
+    /// The record in `slot` (if any) is being replaced: called on the thread that decided it (a
+    /// step's, or a prefetch's caller), under the pool's lock, before the slot's next load is
+    /// queued. A memory that lets the device find records by itself (the CUDA slots' hit map)
+    /// forgets the slot's record here, so nothing routed later reads the slot while it is
+    /// overwritten.
+    fn retire(&self, _slot: usize) {}
 }
 
 /// Host slots: one page-aligned allocation of `slot_count x record_bytes`, records read straight
@@ -1110,6 +1117,7 @@ impl<M: SlotMemory> ExpertPool<M> {
                     continue;
                 }
                 let s = inner.take_slot(&self.shared.counters).expect("capacity was checked above");
+                self.shared.memory.retire(s);
                 let rank = inner.use_rank(layer, e, base + i as u64 + 1);
                 let (generation, ticket) = inner.start_load(s, layer, e, 1, rank);
                 misses += 1;
@@ -1288,6 +1296,7 @@ impl<M: SlotMemory> ExpertPool<M> {
                     continue;
                 }
                 let Some(s) = inner.take_slot(&self.shared.counters) else { break };
+                self.shared.memory.retire(s);
                 inner.tick += 1;
                 let rank = inner.prefetch_rank(layer, e, inner.tick);
                 let (_, ticket) = inner.start_load(s, layer, e, 0, rank);

@@ -551,7 +551,7 @@ fn random_request(rng: &mut ChaCha8Rng, max: usize) -> (usize, Vec<usize>) {
 }
 
 /// Acquires every record once and waits, so no read is left in flight.
-fn settle(pool: &ExpertPool<HostSlots>) {
+fn settle<M: SlotMemory>(pool: &ExpertPool<M>) {
     for layer in 0..4 {
         for chunk in [[0, 1, 2], [3, 4, 5]] {
             pool.acquire(layer, &chunk).unwrap().wait_all().unwrap();
@@ -1074,4 +1074,72 @@ fn recording_resident_hits_is_an_acquire_and_a_drop() {
     assert!(!pool.record_hits(0, &[1, 2]), "expert 2 is not resident");
     assert!(pool.record_hits(0, &[1]));
     assert_eq!(pool.stats().total.hits, 1);
+}
+
+/// Host slots that keep, per slot, the record a device could find there (a hit map's view): a
+/// record enters when its load ends and leaves at `retire`. A load into a slot whose record was
+/// not retired first, or a retire off the step's thread, is counted as a violation.
+struct Retiring {
+    slots: HostSlots,
+    step: std::thread::ThreadId,
+    held: Mutex<Vec<Option<u64>>>,
+    retired: AtomicUsize,
+    violations: Mutex<Vec<String>>,
+}
+
+impl SlotMemory for Retiring {
+    fn slot_count(&self) -> usize {
+        self.slots.slot_count()
+    }
+    fn record_bytes(&self) -> usize {
+        self.slots.record_bytes()
+    }
+    fn load(&self, slot: usize, record: &dyn RecordSource) -> Result<()> {
+        let at = record.location().map(|(_, at)| at);
+        if let Some(old) = self.held.lock().unwrap()[slot] {
+            self.violations.lock().unwrap().push(format!("slot {slot} reloaded while it still held record at {old}"));
+        }
+        self.slots.load(slot, record)?;
+        self.held.lock().unwrap()[slot] = at;
+        Ok(())
+    }
+    fn retire(&self, slot: usize) {
+        if std::thread::current().id() != self.step {
+            self.violations.lock().unwrap().push(format!("slot {slot} retired off the step's thread"));
+        }
+        self.retired.fetch_add(1, Ordering::SeqCst);
+        self.held.lock().unwrap()[slot] = None;
+    }
+}
+
+#[test]
+fn a_slot_is_retired_on_the_deciding_thread_before_its_next_record_loads() {
+    let f = fixture();
+    let memory = Arc::new(Retiring {
+        slots: HostSlots::new(5, f.store.record_bytes()).unwrap(),
+        step: std::thread::current().id(),
+        held: Mutex::new(vec![None; 5]),
+        retired: AtomicUsize::new(0),
+        violations: Mutex::new(Vec::new()),
+    });
+    // IO threads load the prefetches; the step's own misses load on this thread.
+    let pool = ExpertPool::new(Arc::clone(&f.store), Arc::clone(&memory), 2).unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    for _ in 0..300 {
+        let (layer, experts) = random_request(&mut rng, 3);
+        let lease = pool.acquire_loading(layer, &experts).unwrap();
+        lease.wait_all().unwrap();
+        // Every entry's slot holds its record, as the memory sees it.
+        for e in lease.entries() {
+            let want = f.store.manifest.experts.record_index(layer, e.expert) * f.store.record_bytes() as u64;
+            assert_eq!(memory.held.lock().unwrap()[e.slot], Some(want), "layer {layer} expert {}", e.expert);
+        }
+        let next = (layer + 1) % 4;
+        pool.prefetch(next, &[rng.random_range(0..6usize)]);
+        drop(lease);
+    }
+    settle(&pool);
+    let violations = memory.violations.lock().unwrap().clone();
+    assert!(violations.is_empty(), "{violations:?}");
+    assert!(memory.retired.load(Ordering::SeqCst) > 100, "few slots were reused");
 }
