@@ -234,6 +234,8 @@ struct SegmentKey {
     cut_weak: bool,
     /// The head records the timed router-ready event (the blocks' anatomy).
     anatomy_event: bool,
+    /// The router reads the hit map ([`CudaModel::finds_hits`]).
+    device_hits: bool,
 }
 
 /// The segment graphs of one [`SegmentKey`], per decoder layer (captured at first use).
@@ -270,6 +272,9 @@ pub(crate) struct MoeBufs {
     /// Per MoE layer its entries ([`entries_stride`] bytes): the address table (k u64), then per
     /// top-k rank its table entry (k i32), so that a streamed block's are one upload.
     entries: DevBuf,
+    /// Per MoE layer the address table its router writes from the hit map (k u64, in rank
+    /// order, 0 for an expert not found there; [`CudaModel::moe_found`]).
+    found: DevBuf,
     entries_host: Pinned,
     /// The routing weights as the host sees them `[l, k]` (for the deadline cut).
     weights_host: Pinned,
@@ -307,8 +312,11 @@ pub(crate) struct MoeStep<'p> {
     /// ([`MoeBufs::stamps`]): all of them (every expert resident) or the read ones (streaming).
     stamped: Vec<usize>,
     /// Streamed MoE layers whose experts were all resident and on the GPU, timed by their clock
-    /// stamps alone (no events around them).
+    /// stamps alone (no events around them); and those whose router found experts in the hit
+    /// map ([`CudaModel::moe_found`]), timed by the stamps from the found experts' start to the
+    /// combination's, less the GPU's wait for copies between.
     whole_stamped: Vec<usize>,
+    found: Vec<usize>,
     /// MoE layers with misses whose copies the stream waited for (copies in the background): their
     /// waiting is the GPU's, from the resident experts' end to the read experts' start.
     gpu_waited: Vec<usize>,
@@ -355,6 +363,7 @@ impl MoeStep<'_> {
             read_timed: Vec::new(),
             stamped: Vec::new(),
             whole_stamped: Vec::new(),
+            found: Vec::new(),
             gpu_waited: Vec::new(),
             blocks: Vec::new(),
             host_turn_ns: 0,
@@ -436,6 +445,13 @@ pub struct CudaModel {
     /// Streaming: a block's read experts are queued before its lookahead's host work where the host
     /// has nothing to wait for (see `moe`; `CHERENKOV_READS_FIRST=0` queues them after it).
     reads_first: bool,
+    /// Streaming from a pinned expert file: a block's router finds its landed experts in the
+    /// slots' hit map and their kernels run without waiting for the host's turn
+    /// ([`CudaModel::moe_found`]; `CHERENKOV_DEVICE_HITS=0`: the host chooses every expert's
+    /// slot). Not with the deadline cut, experts on the CPU or the blocks' anatomy, which keep the
+    /// host's choice. Session 29's pinned A/B on the H200 (16 layers, 8 rounds): 344.5 tok/s
+    /// against 331.3, ahead in 6.
+    device_hits: bool,
     /// The deadline cut's weight (`--cut-weak`): None waits for every read.
     pub cut_weak: Option<f32>,
     /// Replay steps that never wait for the host (every expert resident) as CUDA graphs.
@@ -524,6 +540,7 @@ impl MoeBufs {
             pred_weights: gpu.zeros(l * 2 * k * 4, what)?,
             pred_host: gpu.pinned(l * 2 * k * 4, what)?,
             entries: gpu.zeros(l * entries_stride(k), what)?,
+            found: gpu.zeros(l * k * 8, what)?,
             entries_host: gpu.pinned(l * entries_stride(k), what)?,
             bias_host: gpu.pinned(l * 2 * e * 4, what)?,
             stamps: gpu.pinned(l * 2 * 8, what)?,
@@ -553,6 +570,11 @@ impl CudaModel {
         // records' layout puts them ahead of the down projection.
         if std::env::var_os("CHERENKOV_WHOLE_COPIES").is_none() {
             pool.memory().set_front_bytes(front_bytes(&store.manifest.experts.layers));
+        }
+        let device_hits = std::env::var("CHERENKOV_DEVICE_HITS").map_or(true, |v| v != "0");
+        if device_hits {
+            let tags = store.manifest.experts.layers.iter().map(layer_tag).collect();
+            pool.memory().enable_hit_map(tags, c.num_experts)?;
         }
         if c.num_experts > 1024 || c.num_experts_per_tok > 64 || c.num_experts_per_tok > c.num_experts {
             bail!(
@@ -642,6 +664,7 @@ impl CudaModel {
             attend_digits: std::env::var_os("CHERENKOV_NO_ATTEND_DIGITS").is_none(),
             inject_beside: std::env::var_os("CHERENKOV_NO_INJECT_BESIDE").is_none(),
             reads_first: std::env::var("CHERENKOV_READS_FIRST").map_or(true, |v| v != "0"),
+            device_hits,
             cut_weak: None,
             cpu_experts: None,
             graphs: std::env::var_os("CHERENKOV_NO_GRAPHS").is_none(),
@@ -837,6 +860,7 @@ impl CudaModel {
                 cpu_experts: self.cpu_experts.is_some(),
                 cut_weak: self.cut_weak.is_some(),
                 anatomy_event,
+                device_hits: self.finds_hits(),
             });
         for (i, (layer, ls)) in w.layers.iter().zip(s.layers.iter_mut()).enumerate().take(depth) {
             let next = w.layers[..depth].get(i + 1).map(|l| &l.moe);
@@ -1034,6 +1058,9 @@ impl CudaModel {
                 let w = ms(&ev[2], &ev[3])?;
                 self.pool.record_wait(l, w);
                 gpu_wait_ns += w;
+                if st.found.contains(&l) {
+                    ns = ns.saturating_sub(w);
+                }
             }
             self.pool.record_compute(l, ns);
             experts_ns += ns;
@@ -1756,6 +1783,13 @@ impl CudaModel {
         }
         let bias = self.bias_row(mb, l, 0);
         let (table, ranks, weights) = (mb.table_at(l, k), mb.ranks_at(l, k), mb.weights.at(l * k * 4));
+        // Every expert resident: the step's table from the resident map. Streaming with the hit
+        // map: the found experts' table (`moe_found`), the host writing the rest.
+        let (map, table, ranks) = match (&mb.map, self.finds_hits()) {
+            (Some(d), _) => (d.at(l * e * 8), table, ranks),
+            (None, true) => (self.pool.memory().hit_map_at(l).context("the hit map")?, mb.found.at(l * k * 8), 0),
+            (None, false) => (0, table, ranks),
+        };
         self.route(
             logits.ptr,
             slices,
@@ -1766,7 +1800,7 @@ impl CudaModel {
             // Streaming: straight into host memory, read at the router-ready event. Resident: the
             // step copies every layer's ids back once, at its end.
             if resident { 0 } else { mb.ids_host.dev + (l * k * 4) as u64 },
-            mb.map.as_ref().map_or(0, |d| d.at(l * e * 8)),
+            map,
             table,
             ranks,
         )?;
@@ -1825,6 +1859,17 @@ impl CudaModel {
     /// four driver calls would only delay the host).
     fn record_head_event(&self, ev: &Event) -> Result<()> {
         if self.head_events_beside() { self.gpu.record_beside(ev) } else { self.gpu.record(ev) }
+    }
+
+    /// Whether a streamed block's router finds its landed experts in the slots' hit map
+    /// (`device_hits`, copies from a pinned expert file, no deadline cut, no experts on the CPU, no
+    /// anatomy).
+    fn finds_hits(&self) -> bool {
+        self.device_hits
+            && self.pool.memory().copies_in_background()
+            && self.cut_weak.is_none()
+            && self.cpu_experts.is_none()
+            && !self.anatomy
     }
 
     fn head_events_beside(&self) -> bool {
@@ -1917,6 +1962,9 @@ impl CudaModel {
             return Ok(());
         }
 
+        if self.finds_hits() {
+            return self.moe_found(sc, m, ahead_of, st, &combine, if stamp { stamps } else { 0 });
+        }
         // The CPU team spins while blocks come, ready for a job (`--cpu-experts`).
         if let Some(cx) = &self.cpu_experts {
             cx.team.keep_warm();
@@ -2044,16 +2092,7 @@ impl CudaModel {
         if !st.untimed && self.anatomy {
             st.host_resident_ns += awake.elapsed().as_nanos() as u64;
         }
-        let look = || -> Result<()> {
-            // The cache policy's bookkeeping (adaptive LRFU's ghost caches) while the copies run.
-            self.pool.replay_ghosts();
-            // The lookahead's reads, behind this block's misses.
-            if ahead_of.is_some() {
-                ev[5].wait()?;
-            }
-            self.look_ahead(mb, l, &experts, ahead_of)?;
-            Ok(())
-        };
+        let look = || self.after_queueing(mb, l, &experts, ahead_of);
         // Where the host has nothing to wait for before queueing the read experts (copies from the
         // pinned file, no deadline cut, no experts on the CPU), their kernels and the combination
         // are queued before the lookahead's work, so that the stream holds them when the copies
@@ -2132,20 +2171,201 @@ impl CudaModel {
         if early {
             look()?;
         }
-        // The synthetic routers' next noise for this layer (the benchmark's), with its estimate where
-        // a lookahead will predict it: 19 us of host time on the build machine (9.6 without the
-        // estimate), drawn while the next block's router runs (`draw_noise`), where it delays no
-        // kernel: drawn here, it held up the next layer's first kernel by about 10 us a block
-        // (`CHERENKOV_NOISE_IN_BLOCK=1` draws it here, a measurement knob).
+        self.end_block(st, l, lease);
+        Ok(())
+    }
+
+    /// A streamed block's host work once its kernels are queued: the cache policy's bookkeeping
+    /// (adaptive LRFU's ghost caches) while the copies run, then the lookahead's reads, behind
+    /// this block's misses (`ahead_of`: the block it predicts).
+    fn after_queueing(
+        &self,
+        mb: &MoeBufs,
+        l: usize,
+        experts: &[usize],
+        ahead_of: Option<&crate::weights::Moe>,
+    ) -> Result<()> {
+        self.pool.replay_ghosts();
+        if ahead_of.is_some() {
+            mb.events[l][5].wait()?;
+        }
+        self.look_ahead(mb, l, experts, ahead_of)
+    }
+
+    /// Ends a streamed block's turn: the synthetic routers' next noise for this layer (the
+    /// benchmark's), with its estimate where a lookahead will predict it: 19 us of host time on
+    /// the build machine (9.6 without the estimate), drawn while the next block's router runs
+    /// (`draw_noise`), where it delays no kernel: drawn here, it held up the next layer's first
+    /// kernel by about 10 us a block (`CHERENKOV_NOISE_IN_BLOCK=1` draws it here, a measurement
+    /// knob). The slots stay leased until a later event shows the block's kernels finished.
+    fn end_block<'p>(&self, st: &mut MoeStep<'p>, l: usize, lease: Lease<'p, DeviceSlots>) {
         if self.skew.is_some() {
             st.noise.push(l);
             if noise_in_block() {
                 self.draw_noise(st);
             }
         }
-        // The slots stay leased until a later event shows these kernels finished.
         st.pending = Some(lease);
+    }
+
+    /// A streamed block whose router looked its experts up in the slots' hit map
+    /// ([`crate::slots::DeviceSlots::enable_hit_map`]) and wrote the found ones' table entries
+    /// (`MoeBufs::found`, 0 for the others). Their kernels are queued before the host waits for
+    /// the router, so they run while the host takes its turn; they skip the zero entries. The
+    /// host then leases all k experts as before and queues the rest (misses, copies still
+    /// running, records not yet in the map) into the expert rows after row k (row k stays the
+    /// deadline cut's zero row), behind their copies, and the combination, whose per-rank rows it
+    /// uploads: rank r's row is r where it was found, else k + 1 + its place among the rest. Last,
+    /// the lookahead's reads, and the records whose copies have landed enter the map for the
+    /// routers queued after this.
+    ///
+    /// The map changes only here, between this block's router and the next one's: the pool
+    /// retires a slot's record before it reuses the slot, and a record this router found is a
+    /// hit of this block's lease, so it stays until this block's kernels are done.
+    fn moe_found<'p>(
+        &'p self,
+        sc: &Scratch,
+        m: &crate::weights::Moe,
+        ahead_of: Option<&crate::weights::Moe>,
+        st: &mut MoeStep<'p>,
+        combine: &dyn Fn(&Gpu, u64) -> Result<()>,
+        stamps: u64,
+    ) -> Result<()> {
+        let c = self.config();
+        let g = &*self.gpu;
+        let (h, k, inter) = (c.hidden_size, c.num_experts_per_tok, c.moe_intermediate_size);
+        let l = m.expert_slot;
+        let mb = &sc.moe;
+        let ev = &mb.events[l];
+        let layout = &self.store.manifest.experts.layers[l];
+        let mem = self.pool.memory();
+        // 1. The found experts, behind the router. Timed by the clock stamps from their start to
+        // the combination's, less the wait for copies (ev[2] to ev[3]): an event before them would
+        // cost their launch its early start behind the head's last kernel.
+        let found_io = self.expert_io(sc, stamps, None, None);
+        self.launch_experts(layout, mb.found.at(l * k * 8), 0, k, &mut || Ok(()), found_io)?;
+        g.record(&ev[2])?;
+        self.draw_noise(st);
+        // 2. Router ready: the host's turn.
+        ev[0].wait()?;
+        st.pending = None;
+        // SAFETY: the router kernel that wrote these has finished (ev[0]); nothing writes them now.
+        let experts: Vec<usize> =
+            unsafe { mb.ids_host.as_slice::<i32>() }[l * k..(l + 1) * k].iter().map(|&i| i as usize).collect();
+        // What the router found: the map has not changed since it was queued.
+        let at: Vec<u64> = experts.iter().map(|&e| mem.hit_map_entry(l, e)).collect();
+        let found: Vec<bool> = at.iter().map(|&a| a != 0).collect();
+        let lease = self.pool.acquire_loading(l, &experts)?;
+        mem.queue_backs()?;
+        let entries = lease.entries();
+        let tag = layer_tag(layout);
+        for (r, e) in entries.iter().enumerate() {
+            if found[r] && at[r] != mem.slot_ptr(e.slot) | tag {
+                bail!(
+                    "MoE layer {l}: the hit map holds expert {} in another slot than the pool (an engine bug)",
+                    e.expert
+                );
+            }
+        }
+        let rest: Vec<usize> = (0..k).filter(|&r| !found[r]).collect();
+        // SAFETY: the stream has passed this layer's previous use of its entries (ev[0] follows the
+        // previous step's end), so no copy reads them while they are written.
+        unsafe { self.write_found_entries(mb, l, &lease, &found, &rest)? };
+        // 3. The rest, behind their copies: the gate and up projections once their fronts landed,
+        // the down projections once the backs did.
+        let stamped = stamps != 0;
+        if stamped {
+            st.stamped.push(l);
+            st.whole_stamped.push(l);
+            st.found.push(l);
+        }
+        if !rest.is_empty() {
+            for &r in &rest {
+                lease.wait(r)?;
+                mem.await_front(entries[r].slot)?;
+            }
+            st.gpu_waited.push(l);
+            g.record(&ev[3])?;
+            let mut backs = || -> Result<()> {
+                for &r in &rest {
+                    mem.await_slot(entries[r].slot)?;
+                }
+                Ok(())
+            };
+            let io = crate::weights::ExpertIo {
+                x: sc.inp.ptr,
+                act: sc.act.at((k + 1) * inter * 4),
+                out: sc.eout.at((k + 1) * h * 4),
+                stamp: 0,
+                shared: None,
+                shared_gate_up: None,
+            };
+            self.launch_experts(layout, mb.table_at(l, k), 0, rest.len(), &mut backs, io)?;
+            if !stamped {
+                st.read_timed.push(l);
+            }
+        }
+        combine(g, if stamped { stamps + 8 } else { 0 })?;
+        if st.read_timed.last() == Some(&l) {
+            g.record(&ev[4])?;
+        }
+        // 4. The pool's bookkeeping and the lookahead's reads, then what landed enters the map.
+        self.after_queueing(mb, l, &experts, ahead_of)?;
+        mem.publish_landed()?;
+        self.end_block(st, l, lease);
         Ok(())
+    }
+
+    /// Writes MoE layer `l`'s entries for [`CudaModel::moe_found`] into pinned memory and queues
+    /// their upload: the table holds the lease's entries of ranks `rest`, in that order; rank r's
+    /// row is r where `found[r]`, else k + 1 + its place in `rest`.
+    ///
+    /// # Safety
+    /// No queued copy may still be reading layer `l`'s row of the pinned entries.
+    unsafe fn write_found_entries(
+        &self,
+        mb: &MoeBufs,
+        l: usize,
+        lease: &Lease<'_, DeviceSlots>,
+        found: &[bool],
+        rest: &[usize],
+    ) -> Result<()> {
+        let k = self.config().num_experts_per_tok;
+        let entries = lease.entries();
+        let tag = layer_tag(&self.store.manifest.experts.layers[l]);
+        let mem = self.pool.memory();
+        let (mut t, mut r) = (vec![0u64; k], vec![0i32; k]);
+        for (rank, row) in r.iter_mut().enumerate() {
+            *row = rank as i32;
+        }
+        for (j, &rank) in rest.iter().enumerate() {
+            t[j] = mem.slot_ptr(entries[rank].slot) | tag;
+            r[rank] = (k + 1 + j) as i32;
+        }
+        debug_assert_eq!(found.iter().filter(|&&f| !f).count(), rest.len());
+        // SAFETY: the caller's guarantee.
+        unsafe { self.upload_entries(mb, l, &t, &r) }
+    }
+
+    /// Writes MoE layer `l`'s address table `t` and per-rank table entries `r` (k each) into its
+    /// row of the pinned entries and queues their upload (one copy: they lie together,
+    /// [`entries_stride`]).
+    ///
+    /// # Safety
+    /// No queued copy may still be reading layer `l`'s row of the pinned entries.
+    unsafe fn upload_entries(&self, mb: &MoeBufs, l: usize, t: &[u64], r: &[i32]) -> Result<()> {
+        let k = self.config().num_experts_per_tok;
+        let stride = entries_stride(k);
+        // SAFETY: the caller guarantees no copy reads these rows now.
+        let row = unsafe { &mut mb.entries_host.as_mut_slice::<u8>()[l * stride..(l + 1) * stride] };
+        let (table_bytes, rank_bytes) = row.split_at_mut(k * 8);
+        for (dst, v) in table_bytes.chunks_exact_mut(8).zip(t) {
+            dst.copy_from_slice(&v.to_ne_bytes());
+        }
+        for (dst, v) in rank_bytes.chunks_exact_mut(4).zip(r) {
+            dst.copy_from_slice(&v.to_ne_bytes());
+        }
+        self.gpu.upload(mb.entries.at(l * stride), &mb.entries_host, l * stride, stride)
     }
 
     /// Draws the synthetic routers' noise of the layers `st` holds ([`MoeStep::noise`]).
@@ -2309,17 +2529,8 @@ impl CudaModel {
         if let Some(rank) = r.iter().position(|&e| e < 0) {
             bail!("MoE layer {l}: top-k rank {rank} has no table entry (an engine bug)");
         }
-        let stride = entries_stride(k);
-        // SAFETY: the caller guarantees no copy reads these rows now.
-        let row = unsafe { &mut mb.entries_host.as_mut_slice::<u8>()[l * stride..(l + 1) * stride] };
-        let (table_bytes, rank_bytes) = row.split_at_mut(k * 8);
-        for (dst, v) in table_bytes.chunks_exact_mut(8).zip(&t) {
-            dst.copy_from_slice(&v.to_ne_bytes());
-        }
-        for (dst, v) in rank_bytes.chunks_exact_mut(4).zip(&r) {
-            dst.copy_from_slice(&v.to_ne_bytes());
-        }
-        self.gpu.upload(mb.entries.at(l * stride), &mb.entries_host, l * stride, stride)
+        // SAFETY: the caller's guarantee.
+        unsafe { self.upload_entries(mb, l, &t, &r) }
     }
 
     /// Queues the router kernel (see `route_topk` in ple_moe.cu), choosing the top `k`; zero

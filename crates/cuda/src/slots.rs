@@ -182,6 +182,39 @@ pub struct DeviceSlots {
     hold_first: bool,
     /// Time the copies from the pinned file on the GPU ([`DeviceSlots::set_copy_timing`]).
     time_copies: bool,
+    /// Where the device finds landed records by itself ([`DeviceSlots::enable_hit_map`]).
+    hits: std::sync::OnceLock<HitMap>,
+}
+
+/// The hit map: per record of the store (MoE layer x expert), its slot's address with the
+/// layer's tag where the record has landed in a slot copied from the pinned file, else 0. It lives
+/// in mapped host memory, written by the host only while no router that reads it is queued (the
+/// pool decides evictions on a step's thread between its blocks), and read by a streamed block's
+/// router (`route_topk`'s `map`), which writes the block's experts found there into their table
+/// entries itself, so their kernels need no host turn. A record enters the map once its copy is
+/// seen complete ([`DeviceSlots::publish_landed`]) and leaves it when the pool replaces the
+/// slot's record ([`SlotMemory::retire`]), before the new copy is queued.
+struct HitMap {
+    map: crate::gpu::Pinned,
+    /// Per MoE layer, the tag its table entries carry (`layer_tag`).
+    tags: Vec<u64>,
+    experts: usize,
+    /// Slots whose record is not in the map yet (their copy may still be running).
+    unpublished: Mutex<Vec<usize>>,
+}
+
+impl HitMap {
+    fn set(&self, record: usize, value: u64) {
+        assert!(record < self.map.bytes / 8, "record {record} is outside the hit map");
+        // SAFETY: inside the mapping (checked); a plain store the device reads after a later launch.
+        unsafe { (self.map.host as *mut u64).add(record).write_volatile(value) };
+    }
+
+    fn get(&self, record: usize) -> u64 {
+        assert!(record < self.map.bytes / 8, "record {record} is outside the hit map");
+        // SAFETY: inside the mapping (checked); only the host writes it.
+        unsafe { (self.map.host as *const u64).add(record).read_volatile() }
+    }
 }
 
 /// A slot's copy events (made at its first copy from the pinned file: start, front landed, end;
@@ -191,6 +224,8 @@ pub struct DeviceSlots {
 /// until [`DeviceSlots::queue_backs`] (see [`DeviceSlots::set_front_bytes`]).
 #[derive(Default)]
 struct SlotCopy {
+    /// The store's record index of what the slot holds or is being loaded with (hit map only).
+    record: Option<usize>,
     events: Option<[sys::CUevent; 3]>,
     pending: bool,
     front: Option<Part>,
@@ -260,7 +295,48 @@ impl DeviceSlots {
             batch: std::env::var_os("CHERENKOV_NO_COPY_BATCH").is_none(),
             hold_first: std::env::var_os("CHERENKOV_HOLD_FIRST_COPY").is_some(),
             time_copies: std::env::var_os("CHERENKOV_TIME_COPIES").is_some(),
+            hits: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Keeps a hit map from now on (see [`HitMap`]; before the first load): `tags` per MoE layer,
+    /// `experts` per layer. Records copied from the pinned file only enter it.
+    pub fn enable_hit_map(&self, tags: Vec<u64>, experts: usize) -> Result<()> {
+        let records = tags.len() * experts;
+        // (Zeroed: nothing in it.)
+        let map = self.gpu.pinned(records * 8, "the expert hit map")?;
+        let hm = HitMap { map, tags, experts, unpublished: Mutex::new(Vec::new()) };
+        self.hits.set(hm).map_err(|_| anyhow!("the expert hit map was enabled twice"))
+    }
+
+    /// The device address of MoE layer `layer`'s row of the hit map (one u64 per expert), if kept.
+    pub fn hit_map_at(&self, layer: usize) -> Option<u64> {
+        self.hits.get().map(|h| h.map.dev + (layer * h.experts * 8) as u64)
+    }
+
+    /// The hit map's entry for expert `expert` of MoE layer `layer` now (what a router queued
+    /// since the map last changed finds there): its slot's address with the layer's tag, or 0.
+    pub fn hit_map_entry(&self, layer: usize, expert: usize) -> u64 {
+        self.hits.get().map_or(0, |h| h.get(layer * h.experts + expert))
+    }
+
+    /// Enters the records whose copies are seen complete into the hit map. Call on the step's
+    /// thread where no router that reads the map is queued.
+    pub fn publish_landed(&self) -> Result<()> {
+        let Some(h) = self.hits.get() else { return Ok(()) };
+        let mut waiting = h.unpublished.lock().unwrap();
+        let mut keep = Vec::with_capacity(waiting.len());
+        for &slot in waiting.iter() {
+            let mut c = self.copies[slot].lock().unwrap();
+            let Some(record) = c.record else { continue };
+            if self.settle(&mut c)? {
+                keep.push(slot);
+                continue;
+            }
+            h.set(record, self.slot_ptr(slot) | h.tags[record / h.experts]);
+        }
+        *waiting = keep;
+        Ok(())
     }
 
     /// Times each copy from the pinned file on the GPU from now on (set before the first copy):
@@ -676,11 +752,16 @@ impl DeviceSlots {
     /// (`SlotMemory::begin_batch` on this thread) the copy waits in the list until the batch ends
     /// (or something waits for the slot); its back part, if split, until
     /// [`DeviceSlots::queue_backs`].
-    fn copy_pinned(&self, slot: usize, src: &[u8]) -> Result<()> {
+    fn copy_pinned(&self, slot: usize, src: &[u8], record: Option<usize>) -> Result<()> {
         let stream = self.copy_stream()?;
         let t0 = Instant::now();
         // An earlier copy's parts still waiting go first (its end is then recorded).
         let mut c = self.lock_queued(slot)?;
+        // The hit map's record, entered once this copy is seen complete.
+        let publish = self.hits.get().is_some() && record.is_some();
+        if publish {
+            c.record = record;
+        }
         self.queue_back(&mut c)?;
         let [_, _, end] = match c.events {
             Some(e) => e,
@@ -722,6 +803,9 @@ impl DeviceSlots {
             self.backs.lock().unwrap().push(slot);
         }
         drop(c);
+        if let (true, Some(h)) = (publish, self.hits.get()) {
+            h.unpublished.lock().unwrap().push(slot);
+        }
         self.split[0].fetch_add(1, Ordering::Relaxed);
         self.split[6].fetch_add(1, Ordering::Relaxed);
         self.split[4].fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
@@ -764,6 +848,14 @@ impl SlotMemory for DeviceSlots {
         BATCH_START.set(Some(Instant::now()));
     }
 
+    fn retire(&self, slot: usize) {
+        let Some(h) = self.hits.get() else { return };
+        let mut c = self.copies[slot].lock().unwrap();
+        if let Some(record) = c.record.take() {
+            h.set(record, 0);
+        }
+    }
+
     fn end_batch(&self) -> Result<()> {
         BATCHING.set(0);
         self.gpu.bind()?;
@@ -779,10 +871,11 @@ impl SlotMemory for DeviceSlots {
 
     fn load(&self, slot: usize, record: &dyn RecordSource) -> Result<()> {
         self.gpu.bind()?;
-        let direct =
-            self.pinned.as_ref().zip(record.location()).and_then(|(p, (dir, at))| p.record(dir, at, self.record_bytes));
+        let location = record.location();
+        let direct = self.pinned.as_ref().zip(location).and_then(|(p, (dir, at))| p.record(dir, at, self.record_bytes));
         if let Some(src) = direct {
-            return self.copy_pinned(slot, src);
+            let index = location.map(|(_, at)| (at / self.record_bytes as u64) as usize);
+            return self.copy_pinned(slot, src, index);
         }
         let staging = self.take_staging()?;
         let (pinned, stream) = (&staging.pinned, staging.stream);

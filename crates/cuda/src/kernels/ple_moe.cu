@@ -46,9 +46,10 @@ extern "C" __global__ void ple_conv(const float* gn, const float* gated, float* 
 // comparing with the others. (Session 13's bitwise search for the k-th key took 32 block-wide
 // counts and about 1 us more per launch: benchmark/notes-cuda.md, "Session 18".) Writes ids[k] and
 // weights[k] in descending weight, the ids also to `ids_host` (mapped host memory, may be null).
-// With `map` (one address-table entry per expert, the layer's resident experts; may be null) it
-// also writes the step's address table, in rank order, and rank_entry[r] = r: every chosen expert
-// must be resident then.
+// With `map` (one address-table entry per expert; may be null) it also writes the step's address
+// table, in rank order, and with `rank_entry` rank_entry[r] = r: every chosen expert must be
+// resident then. A streamed block's router reads the hit map there (0 for an expert not found)
+// without `rank_entry`: the expert kernels skip its zero entries and the host writes the rest.
 #define ROUTE_MAX_K 64
 #define ROUTE_MAX_E 1024  // experts at most (one thread each; CudaModel checks it at load)
 
@@ -226,7 +227,7 @@ extern "C" __global__ void route_topk(const float* logits, const float* bias, fl
             if (ids_host) ids_host[rank] = e;
             if (map) {
                 table[rank] = map_early ? mapped : map[e];
-                rank_entry[rank] = rank;
+                if (rank_entry) rank_entry[rank] = rank;
             }
         }
     }
@@ -260,8 +261,9 @@ template <int BITS>
 __device__ void expert_gate_up(const u64* table, int first, const float* x, float* act, int I, int H, int gs, int rpb,
                                u64 g_w, u64 g_s, u64 g_b, u64 u_w, u64 u_s, u64 u_b) {
     extern __shared__ float sx[];
-    if constexpr (BITS == 2 || BITS == 4 || BITS == 8) stage_x(x, sx, H);
     const int e = first + blockIdx.y;
+    if (!table[e]) return;  // not found by the router in the hit map: the host's launch computes it
+    if constexpr (BITS == 2 || BITS == 4 || BITS == 8) stage_x(x, sx, H);
     const u8* rec = (const u8*)(table[e] & ~TAG_MASK);
     const int wpr = H * BITS / 32, gpr = H / gs;
     const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -281,6 +283,7 @@ __device__ void expert_down(const u64* table, int first, const float* act, float
                             u64 d_w, u64 d_s, u64 d_b) {
     extern __shared__ float sx[];
     const int e = first + blockIdx.y;
+    if (!table[e]) return;  // (as in expert_gate_up)
     if constexpr (BITS == 2 || BITS == 4 || BITS == 8) stage_x(act + (size_t)e * I, sx, I);
     const u8* rec = (const u8*)(table[e] & ~TAG_MASK);
     const int wpr = I * BITS / 32, gpr = I / gs;
@@ -407,6 +410,8 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
     if (shared) {
         d = MvMat{(const uint4*)sh.w, sh.s, sh.b};
     } else {
+        // An entry the router did not find in the hit map (zero) is the host's launch's.
+        if (!table[e]) return;
         const u8* rec = (const u8*)(table[e] & ~TAG_MASK);
         d = MvMat{(const uint4*)(rec + d_w), (const u16*)(rec + d_s), (const u16*)(rec + d_b)};
     }
@@ -459,6 +464,7 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
         }                                                                                                             \
         grid_enter();                                                                                                 \
         stamp_first(stamp);                                                                                           \
+        if (!table[first + blockIdx.y]) return; /* not in the hit map: the host's launch computes it */               \
         if (rpb & MV_TILED) {                                                                                         \
             expert_gate_up_tiled<B>(table, first, x, act, I, H, gs, rpb & (MV_TILED - 1), g_w, g_s, g_b, u_w, u_s,  \
                                     u_b);                                                                             \
