@@ -300,8 +300,20 @@ impl DeviceSlots {
     }
 
     /// Keeps a hit map from now on (see [`HitMap`]; before the first load): `tags` per MoE layer,
-    /// `experts` per layer. Records copied from the pinned file only enter it.
+    /// `experts` per layer. Records copied from the pinned file only enter it. A second model on
+    /// the same slots shares the map, if it is the same shape.
     pub fn enable_hit_map(&self, tags: Vec<u64>, experts: usize) -> Result<()> {
+        if let Some(h) = self.hits.get() {
+            if h.tags == tags && h.experts == experts {
+                return Ok(());
+            }
+            bail!(
+                "the expert slots already keep a hit map of {} MoE layers x {} experts, not {} x {experts}",
+                h.tags.len(),
+                h.experts,
+                tags.len()
+            );
+        }
         let records = tags.len() * experts;
         // (Zeroed: nothing in it.)
         let map = self.gpu.pinned(records * 8, "the expert hit map")?;
