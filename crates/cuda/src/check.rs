@@ -296,7 +296,8 @@ fn inject_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
 /// top-10, where the kernel's threshold comes from its warps' largest keys, 1024 top-32 (as many
 /// warps as k), and 1000 top-40 (k above the warps: every expert a candidate), each with random
 /// logits and with logits rounded to steps of 0.5 (many ties; every 9th -inf). The chosen ids, the
-/// address table written from a map and the rank entries must be the host's exactly.
+/// address table written from a map and the rank entries must be the host's exactly; so must the
+/// ids it writes into host memory, with its ready flag set there (a streamed block's host polls it).
 fn route_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
     let mut rows = Vec::new();
     // Its own generator for the rows from column slices, so the rows before them draw what they
@@ -326,6 +327,12 @@ fn route_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
             let (dids, dw) = (gpu.alloc(k * 4, "check ids")?, gpu.alloc(k * 4, "check weights")?);
             let (dtable, dranks) = (gpu.alloc(k * 8, "check table")?, gpu.alloc(k * 4, "check ranks")?);
             let dparts = gpu.alloc(parts.len().max(1) * 4, "check router slices")?;
+            let (ids_host, ready) = (gpu.pinned(k * 4, "check host ids")?, gpu.pinned(4, "check ready flag")?);
+            // SAFETY: fresh buffers no kernel uses yet.
+            unsafe {
+                ids_host.as_mut_slice::<i32>().fill(-1);
+                ready.as_mut_slice::<u32>()[0] = 0;
+            }
             if slices > 0 {
                 // The logits buffer holds something else: only the slices may be read.
                 gpu.htod(dl.ptr, &vec![f32::NAN; e])?;
@@ -348,12 +355,13 @@ fn route_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
                     Arg::I32(1),
                     Arg::Ptr(dids.ptr),
                     Arg::Ptr(dw.ptr),
-                    Arg::Ptr(0),
+                    Arg::Ptr(ids_host.dev),
                     Arg::Ptr(dmap.ptr),
                     Arg::Ptr(dtable.ptr),
                     Arg::Ptr(dranks.ptr),
                     Arg::Ptr(if slices > 0 { dparts.ptr } else { 0 }),
                     Arg::I32(slices as i32),
+                    Arg::Ptr(ready.dev),
                 ],
             )?;
             let (mut ids, mut w, mut table, mut ranks) = (vec![0i32; k], vec![0f32; k], vec![0u64; k], vec![0i32; k]);
@@ -375,6 +383,16 @@ fn route_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
             rows.push(CheckRow {
                 name: format!("route_topk {e} experts top-{k}{what} (fraction not the host's choice)"),
                 rel_err: wrong as f64 / k as f64,
+                limit: 0.0,
+            });
+            // SAFETY: the launch finished (the copies back above synchronise).
+            let (host_ids, flag) = unsafe { (ids_host.as_slice::<i32>().to_vec(), ready.as_slice::<u32>()[0]) };
+            let wrong_host = (0..k).filter(|&r| host_ids[r] != want[r].0 as i32).count() + usize::from(flag != 1);
+            rows.push(CheckRow {
+                name: format!(
+                    "route_topk {e} experts top-{k}{what}: ids in host memory and the ready flag (fraction wrong)"
+                ),
+                rel_err: wrong_host as f64 / (k + 1) as f64,
                 limit: 0.0,
             });
             let want_w: Vec<f32> = want.iter().map(|x| x.1).collect();

@@ -285,6 +285,10 @@ pub(crate) struct MoeBufs {
     /// the combination after them started, written by those kernels (`stamp_first`): the read
     /// experts' time without an event between the combination and the next layer's kernels.
     stamps: Pinned,
+    /// Per MoE layer (u32), set by the router once its ids are in `ids_host` (`route_topk`'s
+    /// `ready`) where it finds its experts in the hit map: the host polls it instead of waiting for
+    /// the router-ready event ([`CudaModel::await_router`]). Cleared at the step's start.
+    ready: Pinned,
     /// PLE rows gathered on the host `[decoder layer, ple_embed_dim]`.
     ple_host: Pinned,
     /// The MoE input as the host sees it `[l, hidden]`, and the outputs of the experts computed
@@ -452,6 +456,10 @@ pub struct CudaModel {
     /// host's choice. Session 29's pinned A/B on the H200 (16 layers, 8 rounds): 344.5 tok/s
     /// against 331.3, ahead in 6.
     device_hits: bool,
+    /// Where the router finds its experts ([`CudaModel::finds_hits`]): the host polls the flag the
+    /// router sets once its ids are in host memory ([`MoeBufs::ready`]) instead of waiting for the
+    /// router-ready event (`CHERENKOV_ROUTER_POLL=0`: the event).
+    router_poll: bool,
     /// The deadline cut's weight (`--cut-weak`): None waits for every read.
     pub cut_weak: Option<f32>,
     /// Replay steps that never wait for the host (every expert resident) as CUDA graphs.
@@ -504,6 +512,11 @@ fn entries_stride(k: usize) -> usize {
 }
 
 impl MoeBufs {
+    /// The MoE layers it holds rows for.
+    fn layers(&self) -> usize {
+        self.ready.bytes / 4
+    }
+
     /// Where MoE layer `l`'s address table starts on the device.
     fn table_at(&self, l: usize, k: usize) -> u64 {
         self.entries.at(l * entries_stride(k))
@@ -544,6 +557,7 @@ impl MoeBufs {
             entries_host: gpu.pinned(l * entries_stride(k), what)?,
             bias_host: gpu.pinned(l * 2 * e * 4, what)?,
             stamps: gpu.pinned(l * 2 * 8, what)?,
+            ready: gpu.pinned(l * 4, what)?,
             ple_host: gpu.pinned(f32s(c.num_hidden_layers * c.ple_embed_dim), "the PLE rows")?,
             x_host: cpu_bufs.0,
             cpu_out: cpu_bufs.1,
@@ -665,6 +679,7 @@ impl CudaModel {
             inject_beside: std::env::var_os("CHERENKOV_NO_INJECT_BESIDE").is_none(),
             reads_first: std::env::var("CHERENKOV_READS_FIRST").map_or(true, |v| v != "0"),
             device_hits,
+            router_poll: std::env::var("CHERENKOV_ROUTER_POLL").map_or(true, |v| v != "0"),
             cut_weak: None,
             cpu_experts: None,
             graphs: std::env::var_os("CHERENKOV_NO_GRAPHS").is_none(),
@@ -846,6 +861,10 @@ impl CudaModel {
         w.embed_tokens.embed(g, sc.step_in.ptr, sc.x.ptr, self.config().hc_count)?;
         let pos = s.pos;
         let depth = self.depth.min(w.layers.len());
+        if sc.moe.map.is_none() && self.finds_hits() {
+            // SAFETY: the previous step's kernels that wrote these ended with its stream sync.
+            unsafe { self.clear_block_marks(&sc.moe, 0..sc.moe.layers()) };
+        }
         // Streaming, each layer's work up to its MoE block's routing is replayed from a graph of
         // its own (`segments`), where nothing in it waits for the host.
         let c = self.config();
@@ -1750,24 +1769,29 @@ impl CudaModel {
         let [logits, sg, su, shared, sgate, ahead, _] = &sc.big;
         let mb = &sc.moe;
         let resident = mb.map.is_some();
+        // Streaming where the router finds its landed experts in the hit map: the found experts'
+        // launch ends the head, so that it runs behind the router without waiting for the host's
+        // launch, with the shared expert riding along in it where it can (as every expert resident).
+        let found_here = !resident && self.finds_hits();
+        let ride = self.shared_riding(sc, m);
+        let gate_up_ride = self.shared_gate_up_riding(sc, m);
         // The router, the shared expert's gate (both 8-bit in MLX conversions; the gate is read only
         // by the combination) and the shared expert's gate and up projections (4-bit) in one launch
         // where the tiled kernels take all four. Streaming, the router is on every block's critical
         // path (the host turn and the misses' copies wait for it): it and the gate go alone, and the
         // shared expert's projections follow the router-ready event.
-        let shared_later = !resident;
-        // Every expert resident: the shared expert's down projection rides along in the routed
-        // experts' down launch (`moe`) where it can, else runs on the side stream, beside the
-        // routing and the routed experts (it needs only this launch's outputs), and the
-        // combination waits for both.
-        let rides = self.shared_riding(sc, m).is_some();
+        // Every expert resident, or found: the shared expert's down projection rides along in the
+        // routed experts' down launch (`moe`, or below) where it can. Else every expert resident,
+        // it runs on the side stream, beside the routing and the routed experts (it needs only this
+        // launch's outputs), and the combination waits for both.
+        let rides = ride.is_some();
         let beside = resident && self.shared_beside && !rides;
         let router = [(&m.gate, logits.ptr), (&m.shared_expert_gate, sgate.ptr)];
         let shared_gate_up = [(&m.shared_gate_proj, sg.ptr), (&m.shared_up_proj, su.ptr)];
         // (Its gate and up projections may ride along in the routed experts' gate/up launch.) The
         // router's column slices are added up by `route_topk` where nothing runs beside it on the
         // side stream, which could use the same scratch meanwhile (`route_sum`).
-        let parts: &[_] = if shared_later || self.shared_gate_up_riding(sc, m).is_some() {
+        let parts: &[_] = if !resident || gate_up_ride.is_some() {
             &router
         } else {
             &[router[0], router[1], shared_gate_up[0], shared_gate_up[1]]
@@ -1803,6 +1827,7 @@ impl CudaModel {
             map,
             table,
             ranks,
+            if found_here && self.router_poll { mb.ready.dev + (l * 4) as u64 } else { 0 },
         )?;
         let ev = &mb.events[l];
         if !resident {
@@ -1831,12 +1856,13 @@ impl CudaModel {
             let w = self.lookahead_width;
             let ids = mb.pred_ids.at(nl * 2 * k * 4);
             let host = mb.pred_host.dev + (nl * 2 * k * 4) as u64;
-            self.route(ahead.ptr, None, bias, w, ids, mb.pred_weights.at(nl * 2 * k * 4), host, 0, 0, 0)?;
+            self.route(ahead.ptr, None, bias, w, ids, mb.pred_weights.at(nl * 2 * k * 4), host, 0, 0, 0, 0)?;
             self.record_head_event(&ev[5])?;
         }
-        // The shared expert's down projection runs while the host reads the routing: silu(gate) * up,
-        // applied as it stages its input.
-        if shared_later {
+        // Streaming, the shared expert's gate and up projections where they do not ride along; its
+        // down projection then runs while the host reads the routing (silu(gate) * up, applied as it
+        // stages its input), unless it rides along in the found experts' launch.
+        if !resident && gate_up_ride.is_none() {
             matvec_many(g, sc.inp.ptr, &shared_gate_up)?;
         }
         let shared_down = || m.shared_down_proj.matvec_in(g, MatvecInput::SiluMul(sg.ptr, su.ptr), shared.ptr);
@@ -1844,6 +1870,13 @@ impl CudaModel {
             g.on_side(shared_down)?;
         } else if !rides {
             shared_down()?;
+        }
+        if found_here {
+            // Their first stamp is the block's (`moe_found`; cleared at the step's start).
+            let stamps = mb.stamps.dev + (l * 16) as u64;
+            let io = self.expert_io(sc, stamps, ride, gate_up_ride);
+            let layout = &self.store.manifest.experts.layers[l];
+            self.launch_experts(layout, mb.found.at(l * k * 8), 0, k, &mut || Ok(()), io)?;
         }
         if !resident && self.head_events_beside() {
             // The side stream that recorded the head's events rejoins (a capture ends joined).
@@ -1889,6 +1922,11 @@ impl CudaModel {
         st: &mut MoeStep<'p>,
     ) -> Result<()> {
         if !std::mem::take(&mut st.head_queued) {
+            if sc.moe.map.is_none() && self.finds_hits() {
+                let l = m.expert_slot;
+                // SAFETY: a block queued alone ([`CudaModel::moe_alone`]) follows a stream sync.
+                unsafe { self.clear_block_marks(&sc.moe, l..l + 1) };
+            }
             self.moe_head(sc, m, next, self.anatomy && !st.untimed)?;
         }
         let c = self.config().clone();
@@ -1910,7 +1948,9 @@ impl CudaModel {
         // Clock stamps instead of events where nothing else needs events (the anatomy reads them).
         let stamp = !st.untimed && !self.anatomy;
         let stamps = mb.stamps.dev + (l * 16) as u64;
-        if stamp {
+        // (Where the router finds its experts, the head's launch may have written them already:
+        // `queue_step` cleared them.)
+        if stamp && !self.finds_hits() {
             // SAFETY: the previous step's kernels that wrote these ended with its stream sync.
             unsafe { mb.stamps.as_mut_slice::<u64>()[l * 2..l * 2 + 2].fill(0) };
         }
@@ -2210,11 +2250,12 @@ impl CudaModel {
 
     /// A streamed block whose router looked its experts up in the slots' hit map
     /// ([`crate::slots::DeviceSlots::enable_hit_map`]) and wrote the found ones' table entries
-    /// (`MoeBufs::found`, 0 for the others). Their kernels are queued before the host waits for
-    /// the router, so they run while the host takes its turn; they skip the zero entries. The
+    /// (`MoeBufs::found`, 0 for the others). Their kernels end the block's head
+    /// ([`CudaModel::moe_head`], in its segment graph), so they run while the host takes its turn;
+    /// they skip the zero entries, and the shared expert rides along in them where it can. The
     /// host then leases all k experts as before and queues the rest (misses, copies still
-    /// running, records not yet in the map) into the expert rows after row k (row k stays the
-    /// deadline cut's zero row), behind their copies, and the combination, whose per-rank rows it
+    /// running, records not yet in the map) into the expert rows after row k (row k is the riding
+    /// shared expert's), behind their copies, and the combination, whose per-rank rows it
     /// uploads: rank r's row is r where it was found, else k + 1 + its place among the rest. Last,
     /// the lookahead's reads, and the records whose copies have landed enter the map for the
     /// routers queued after this.
@@ -2239,17 +2280,16 @@ impl CudaModel {
         let ev = &mb.events[l];
         let layout = &self.store.manifest.experts.layers[l];
         let mem = self.pool.memory();
-        // 1. The found experts, behind the router. Timed by the clock stamps from their start to
-        // the combination's, less the wait for copies (ev[2] to ev[3]): an event before them would
+        // 1. The found experts (and the shared expert where it rides along) ended the head
+        // ([`CudaModel::moe_head`]). Timed by the clock stamps from their start to the
+        // combination's, less the wait for copies (ev[2] to ev[3]): an event before them would
         // cost their launch its early start behind the head's last kernel.
-        let found_io = self.expert_io(sc, stamps, None, None);
-        self.launch_experts(layout, mb.found.at(l * k * 8), 0, k, &mut || Ok(()), found_io)?;
         g.record(&ev[2])?;
         self.draw_noise(st);
         // 2. Router ready: the host's turn.
-        ev[0].wait()?;
+        self.await_router(mb, l)?;
         st.pending = None;
-        // SAFETY: the router kernel that wrote these has finished (ev[0]); nothing writes them now.
+        // SAFETY: the router has written these (`await_router`); nothing writes them now.
         let experts: Vec<usize> =
             unsafe { mb.ids_host.as_slice::<i32>() }[l * k..(l + 1) * k].iter().map(|&i| i as usize).collect();
         // What the router found: the map has not changed since it was queued.
@@ -2313,6 +2353,52 @@ impl CudaModel {
         self.after_queueing(mb, l, &experts, ahead_of)?;
         mem.publish_landed()?;
         self.end_block(st, l, lease);
+        Ok(())
+    }
+
+    /// Clears what the heads of MoE layers `layers` write into host memory for the host where the
+    /// router finds its experts: their clock stamps (the found experts' launch stamps the block's
+    /// start, [`CudaModel::moe_head`]) and their routers' ready flags ([`CudaModel::await_router`]).
+    ///
+    /// # Safety
+    /// No kernel that writes them may be queued or running (the previous step ended with a stream
+    /// sync, and these heads are not queued yet).
+    unsafe fn clear_block_marks(&self, mb: &MoeBufs, layers: std::ops::Range<usize>) {
+        // SAFETY: the caller's guarantee; in bounds (two stamps and one flag per MoE layer).
+        unsafe {
+            mb.stamps.as_mut_slice::<u64>()[layers.start * 2..layers.end * 2].fill(0);
+            mb.ready.as_mut_slice::<u32>()[layers.clone()].fill(0);
+        }
+    }
+
+    /// Waits for MoE layer `l`'s router to choose ([`CudaModel::moe_found`]): polls the flag it sets
+    /// in host memory once its ids are there ([`MoeBufs::ready`]), which comes before its launch
+    /// ends and the router-ready event after it, where `router_poll`; else that event. Either way
+    /// every kernel queued before the router has finished (it waited for them before it set the
+    /// flag). The event is asked every 4096 polls, so a failed kernel or a router that ended
+    /// without setting the flag is an error, not a hang.
+    fn await_router(&self, mb: &MoeBufs, l: usize) -> Result<()> {
+        let ev = &mb.events[l][0];
+        if !self.router_poll {
+            return ev.wait();
+        }
+        // SAFETY: in bounds (one u32 per MoE layer); the device writes it, so read volatile.
+        let flag = unsafe { mb.ready.host.cast::<u32>().add(l) };
+        let set = || {
+            // SAFETY: as above.
+            let v = unsafe { flag.read_volatile() };
+            // The ids read after this were written before the flag (the kernel's system fence).
+            std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+            v != 0
+        };
+        let mut polls = 0u32;
+        while !set() {
+            polls = polls.wrapping_add(1);
+            if polls.is_multiple_of(4096) && ev.done()? && !set() {
+                bail!("MoE layer {l}: the router ended without setting its ready flag (an engine bug)");
+            }
+            std::hint::spin_loop();
+        }
         Ok(())
     }
 
@@ -2548,6 +2634,7 @@ impl CudaModel {
         map: u64,
         table: u64,
         ranks: u64,
+        ready: u64,
     ) -> Result<()> {
         let c = self.config();
         self.gpu.launch(
@@ -2572,6 +2659,7 @@ impl CudaModel {
                 // The router launch's slices where it left them (`logits` is then not written).
                 Arg::Ptr(slices.map_or(0, |s| s.parts)),
                 Arg::I32(slices.map_or(0, |s| s.slices as i32)),
+                Arg::Ptr(ready),
             ],
         )
     }
@@ -2647,13 +2735,14 @@ impl CudaModel {
     }
 
     /// Where the shared expert's down projection of block `m` rides along in the routed experts'
-    /// down launch: every expert resident (streaming, it runs while the host reads the routing),
-    /// `shared_ride` on, and its format that of the layer's experts
+    /// down launch: every expert resident, or streaming where the router finds its experts in the
+    /// hit map (in the found experts' launch, [`CudaModel::moe_head`]; else it runs while the host
+    /// reads the routing), `shared_ride` on, and its format that of the layer's experts
     /// ([`crate::weights::shared_rides`]). Its input is the router launch's shared gate and up
     /// outputs; its row goes after the k entries' rows.
     fn shared_riding(&self, sc: &Scratch, m: &crate::weights::Moe) -> Option<crate::weights::SharedDown> {
         let c = self.config();
-        if sc.moe.map.is_none() || !self.shared_ride {
+        if !(sc.moe.map.is_some() || self.finds_hits()) || !self.shared_ride {
             return None;
         }
         let layout = &self.store.manifest.experts.layers[m.expert_slot];

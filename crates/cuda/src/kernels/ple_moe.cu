@@ -79,12 +79,16 @@ __device__ __forceinline__ u32 route_key(float v) {
 // `CHERENKOV_KERNEL_DEFINES=ROUTE_SUM_BATCH=8`). 16 (48 registers) took 5.07 us a launch against
 // 5.97 at 8 (32 registers); 32 (80 registers) was faster still in the kernel but slower in tok/s
 // (benchmark/notes-cuda.md, sessions 24 and 25).
+//
+// `ready` (may be null; host memory mapped for the device): set to 1 once the chosen ids are in
+// `ids_host`, so that the host, polling it, starts its turn without waiting for the launch's end
+// and an event behind it. Every kernel queued before this one has finished by then (it waited).
 #ifndef ROUTE_SUM_BATCH
 #define ROUTE_SUM_BATCH 16
 #endif
 extern "C" __global__ void route_topk(const float* logits, const float* bias, float model_w, int E, int k, int norm,
                                       int* ids, float* weights, int* ids_host, const u64* map, u64* table,
-                                      int* rank_entry, const float* parts, int ks) {
+                                      int* rank_entry, const float* parts, int ks, unsigned* ready) {
     KSPAN;
     // The synthetic routers' bias is written by the host before the step is queued, never by a
     // kernel (it may be host memory mapped for the device): read before waiting for the logits.
@@ -224,7 +228,11 @@ extern "C" __global__ void route_topk(const float* logits, const float* bias, fl
         if (rank < k) {
             chosen_p[rank] = expf(v - m) / sum;
             ids[rank] = e;
-            if (ids_host) ids_host[rank] = e;
+            if (ids_host) {
+                ids_host[rank] = e;
+                // Before the barrier below, after which `ready` says the ids are there.
+                if (ready) __threadfence_system();
+            }
             if (map) {
                 table[rank] = map_early ? mapped : map[e];
                 if (rank_entry) rank_entry[rank] = rank;
@@ -233,6 +241,7 @@ extern "C" __global__ void route_topk(const float* logits, const float* bias, fl
     }
     tl_mark_at(4);  // thread 0 ranked (and wrote, if chosen)
     __syncthreads();
+    if (ready && e == 0) *(volatile unsigned*)ready = 1u;
     if (e < k) {
         // Renormalised over the chosen experts, summed in rank order.
         float total = 1.0f;
