@@ -265,9 +265,17 @@ fn per_token_part(deep_ms: f64, deep: usize, shallow_ms: f64, shallow: usize) ->
 /// records evicted before any step used them are left out: wasted reads make the link busier
 /// without serving a token.
 fn pcie_share(k: &Case, roofline: f64, host_to_device: f64) -> (f64, f64) {
-    let t_io = (k.bytes_per_token - k.wasted_per_token).max(0.0) / host_to_device;
-    let bound = 1.0 / (1.0 / roofline).max(t_io);
-    (k.tok_s / bound, bound)
+    pcie_share_at(k, k.depth, roofline, host_to_device, k.tok_s)
+}
+
+/// [`pcie_share`] at `target` layers, for the targets at the released depth: the bytes a
+/// step used grow with the layers (every expert byte belongs to one), the bound is the lower of
+/// their link time and `roofline_at` (the HBM roofline at that depth), and the rate is the case's
+/// own extrapolated to that depth (`tok_s_at`, [`tok_s_at_depth`]).
+fn pcie_share_at(k: &Case, target: usize, roofline_at: f64, host_to_device: f64, tok_s_at: f64) -> (f64, f64) {
+    let used = (k.bytes_per_token - k.wasted_per_token).max(0.0) * target as f64 / k.depth.max(1) as f64;
+    let bound = 1.0 / (1.0 / roofline_at).max(used / host_to_device);
+    (tok_s_at / bound, bound)
 }
 
 /// Tokens per second at `target` layers of a case that took `ms` per token at `depth` layers:
@@ -459,6 +467,10 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     let resident_bytes = dense_read as f64 + (c.num_hidden_layers * c.num_experts_per_tok) as f64 * record as f64;
     let roofline = bw.device / resident_bytes;
     let pcie = |k: &Case| pcie_share(k, roofline, bw.host_to_device);
+    // The same at the released depth (the 48-layer figures' bounds).
+    let (_, dense_read_full) = dense_bytes(&full, 1);
+    let roofline_full = bw.device
+        / (dense_read_full as f64 + (full.num_hidden_layers * full.num_experts_per_tok) as f64 * record as f64);
     // Cases: 0 resident, 1 resident without graphs, 2 streamed from the pinned page cache, 3 cold
     // (read by the CPU from the disk), 4 pinned with the deadline cut, 5 pinned without the
     // lookahead (what its reads gain), 6 warm but read by the CPU (what pinning gains), 7 resident
@@ -587,6 +599,15 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     let half_depth = cases.iter().find(|k| k.depth != layers);
     let per_token_ms = half_depth.map_or(0.0, |half| per_token_part(ms(&cases[0]), layers, ms(half), half.depth));
     let per_layer = |k: &Case| tok_s_at_depth(48, per_token_ms, ms(k), k.depth);
+    // Each case's share of its bound at 48 layers: the HBM roofline (every expert resident), the
+    // PCIe bound (streamed), from its extrapolated rate.
+    let share_48 = |i: usize, k: &Case| -> (f64, f64) {
+        if i < 2 {
+            (per_layer(k) / roofline_full, roofline_full)
+        } else {
+            pcie_share_at(k, 48, roofline_full, bw.host_to_device, per_layer(k))
+        }
+    };
 
     // The policy study on the warm streamed run's trace.
     // Cases: 0 resident, 1 resident without graphs, 2 streamed warm, 3 streamed cold, 4 streamed
@@ -670,10 +691,23 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         let ratio = if k.depth != layers {
             "(the extrapolation's second depth)".to_string()
         } else if i < 2 {
-            format!("{:.1}% of HBM roofline", 100.0 * k.tok_s / roofline)
+            let (share48, bound48) = share_48(i, k);
+            format!(
+                "{:.1}% of HBM roofline; at 48 layers {:.1}% ({:.0} tok/s)",
+                100.0 * k.tok_s / roofline,
+                100.0 * share48,
+                bound48
+            )
         } else {
             let (share, bound) = pcie(k);
-            format!("{:.1}% of the PCIe bound ({:.0} tok/s)", 100.0 * share, bound)
+            let (share48, bound48) = share_48(i, k);
+            format!(
+                "{:.1}% of the PCIe bound ({:.0} tok/s); at 48 layers {:.1}% ({:.0} tok/s)",
+                100.0 * share,
+                bound,
+                100.0 * share48,
+                bound48
+            )
         };
         md.push_str(&format!(
             "| {} | {} | {:.1} | {:.1} | {:.1}% | {} | {} ({}) | {:.2} | {:.2} | {:.2} | {:.2} | {} |\n",
@@ -693,7 +727,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         ));
     }
     md.push_str(&format!(
-        "\n48-layer figures: {}. The streamed cases' 48-layer bounds scale the same way; the pinned cases pin this model's {} expert file; `--pin-experts auto` pins an expert file that fits in the available memory with a quarter of the host's memory to spare, and on this host it {} the 48-layer model's {}.\n",
+        "\n48-layer figures: {}. The shares at 48 layers set those rates against the 48-layer model's bounds: its HBM roofline ({:.0} tok/s at the measured device bandwidth) and, for the streamed cases, the link time of the bytes their steps used per layer, times 48. The pinned cases pin this model's {} expert file; `--pin-experts auto` pins an expert file that fits in the available memory with a quarter of the host's memory to spare, and on this host it {} the 48-layer model's {}.\n",
         match half_depth {
             Some(half) => format!(
                 "a step is {:.3} ms per token (embedding, final mixer, lm_head, candidates, the host) plus each case's time per layer beyond that; the resident case gives {:.3} ms per layer from its {} and {} layer runs ({:.3} and {:.3} ms per token)",
@@ -706,6 +740,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             ),
             None => "the whole step time counts as per layer (one layer: no second depth to split it)".to_string(),
         },
+        roofline_full,
         format_bytes(all as u64 * record),
         if crate::load::auto_pins(experts_full) { "would pin" } else { "would not pin" },
         format_bytes(experts_full)
@@ -799,12 +834,14 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     std::fs::write(stem.with_extension("md"), &md)?;
     let cases_json: Vec<_> = cases
         .iter()
-        .map(|k| json!({"case": k.name, "slots": k.slots, "depth": k.depth, "tok_s": k.tok_s, "tok_s_48_layers": per_layer(k), "loads": k.loads.loads, "loads_from_pinned_file": k.loads.direct, "hit_rate": k.hit_rate, "decay_lambda": k.decay.0, "decay_changes": k.decay.1, "lookahead_accuracy": k.lookahead,
+        .enumerate()
+        .map(|(i, k)| json!({"case": k.name, "slots": k.slots, "depth": k.depth, "tok_s": k.tok_s, "tok_s_48_layers": per_layer(k),
+                        "share_of_bound_48_layers": share_48(i, k).0, "bound_48_layers_tok_s": share_48(i, k).1, "loads": k.loads.loads, "loads_from_pinned_file": k.loads.direct, "hit_rate": k.hit_rate, "decay_lambda": k.decay.0, "decay_changes": k.decay.1, "lookahead_accuracy": k.lookahead,
                         "bytes_per_token": k.bytes_per_token, "unused_prefetch_bytes_per_token": k.wasted_per_token, "dense_ms": k.dense_ms, "experts_ms": k.experts_ms, "wait_ms": k.wait_ms, "queue_ms": k.queue_ms, "cut_per_token": k.cut_per_token,
                         "cpu_experts_per_token": k.cpu_per_token, "cpu_wait_ms": k.cpu_wait_ms, "cpu_expert_ns": k.cpu_rates.map(|r| r.1), "lone_copy_ns": k.cpu_rates.map(|r| r.0)}))
         .collect();
     let j = json!({"date": date, "gpu": gpu.info.name, "device_bw": bw.device, "h2d_bw": bw.host_to_device, "layers": c.num_hidden_layers,
-                   "experts": c.num_experts, "skew": skew, "roofline_tok_s": roofline, "per_token_ms": per_token_ms, "cases": cases_json,
+                   "experts": c.num_experts, "skew": skew, "roofline_tok_s": roofline, "roofline_48_layers_tok_s": roofline_full, "per_token_ms": per_token_ms, "cases": cases_json,
                    "resident_runs_tok_s": {"layers": layers, "full": full_rates, "half": half_rates},
                    "policies": policies.iter().map(|(n, h)| json!({"policy": n, "hit_rate": h})).collect::<Vec<_>>(), "policy_uncounted_steps": cases[2].warm_steps, "peer": peer});
     std::fs::write(stem.with_extension("json"), serde_json::to_vec_pretty(&j)?)?;
@@ -832,6 +869,23 @@ mod tests {
         assert!((tok_s_at_depth(48, 0.0, step(4), 4) - 1e3 * 4.0 / 48.0 / step(4)).abs() < 1e-6);
         // Noise that tilts the line below zero at zero layers gives no negative part.
         assert_eq!(per_token_part(1.0, 4, 0.2, 2), 0.0);
+    }
+
+    #[test]
+    fn the_pcie_share_scales_the_used_bytes_with_the_depth() {
+        // 16 layers, 90 MB read per token of which 4 MB were unused prefetches, 55 GB/s: the link
+        // needs 86e6 / 55e9 s a token (639.5 tok/s); at 48 layers three times that (213.2).
+        let k = Case { depth: 16, tok_s: 360.0, bytes_per_token: 90e6, wasted_per_token: 4e6, ..Default::default() };
+        let (share, bound) = pcie_share(&k, 3000.0, 55e9);
+        assert!((bound - 55e9 / 86e6).abs() < 1e-6, "{bound}");
+        assert!((share - 360.0 / bound).abs() < 1e-12);
+        // At its own depth and rate the two agree.
+        assert_eq!(pcie_share_at(&k, 16, 3000.0, 55e9, 360.0), (share, bound));
+        let (share48, bound48) = pcie_share_at(&k, 48, 1000.0, 55e9, 127.0);
+        assert!((bound48 - 55e9 / (3.0 * 86e6)).abs() < 1e-6, "{bound48}");
+        assert!((share48 - 127.0 / bound48).abs() < 1e-12);
+        // Where the HBM roofline at that depth is lower, it is the bound.
+        assert_eq!(pcie_share_at(&k, 48, 150.0, 55e9, 120.0), (0.8, 150.0));
     }
 
     #[test]
