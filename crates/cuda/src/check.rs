@@ -362,6 +362,7 @@ fn route_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
                     Arg::Ptr(if slices > 0 { dparts.ptr } else { 0 }),
                     Arg::I32(slices as i32),
                     Arg::Ptr(ready.dev),
+                    Arg::Ptr(0),
                 ],
             )?;
             let (mut ids, mut w, mut table, mut ranks) = (vec![0i32; k], vec![0f32; k], vec![0u64; k], vec![0i32; k]);
@@ -589,14 +590,7 @@ fn tiled_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
         gpu.htod(dtable.ptr, &table)?;
         let act = gpu.alloc(entries.len() * inter * 4, "check act")?;
         let out = gpu.alloc(entries.len() * h * 4, "check out")?;
-        let io = crate::weights::ExpertIo {
-            x: dx.ptr,
-            act: act.ptr,
-            out: out.ptr,
-            stamp: 0,
-            shared: None,
-            shared_gate_up: None,
-        };
+        let io = crate::weights::ExpertIo::new(dx.ptr, act.ptr, out.ptr);
         // Entry 0 alone, then entries 1 and 2 (a nonzero `first`), as the streaming path does.
         crate::weights::launch_experts(gpu, &layout, record_bytes, dtable.ptr, 0, 1, io, (inter, h), &mut || Ok(()))?;
         crate::weights::launch_experts(gpu, &layout, record_bytes, dtable.ptr, 1, 2, io, (inter, h), &mut || Ok(()))?;

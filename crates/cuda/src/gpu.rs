@@ -373,6 +373,18 @@ impl Gpu {
             .map_err(|e| anyhow::anyhow!("device-to-device copy failed: {e}"))
     }
 
+    /// Sets `n` u32 words `pitch` bytes apart, from `dst`, to `value`, on the compute stream (a
+    /// memset node when captured).
+    pub fn fill_u32_strided(&self, dst: u64, pitch: usize, value: u32, n: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller's allocation holds `n` rows of `pitch` bytes from `dst`.
+        unsafe { sys::cuMemsetD2D32Async(dst, pitch, value, 1, n, self.stream) }
+            .result()
+            .map_err(|e| anyhow::anyhow!("device memset failed: {e}"))
+    }
+
     pub fn sync(&self) -> Result<()> {
         // SAFETY: the stream belongs to this context.
         unsafe { cu::stream::synchronize(self.stream) }.map_err(|e| anyhow::anyhow!("a CUDA kernel failed: {e}"))

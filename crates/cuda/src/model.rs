@@ -289,6 +289,18 @@ pub(crate) struct MoeBufs {
     /// `ready`) where it finds its experts in the hit map: the host polls it instead of waiting for
     /// the router-ready event ([`CudaModel::await_router`]). Cleared at the step's start.
     ready: Pinned,
+    /// Per MoE layer four u32 flags ([`FLAG_FRONT`], [`FLAG_BACK`], [`FLAG_TURN`], unused) for a
+    /// flagged streamed step ([`CudaModel::step_flagged`]), set by the host or the copy stream.
+    /// Cleared at the step's start.
+    flags: Pinned,
+    /// Each flag's relay in device memory (`flag_wait` in common.cuh): 32 bytes, a u32 `seen` the
+    /// waiting grid's first block sets once it read the flag set, a u32 count of 8-byte words it
+    /// copies first, the flag's device address, and the words' source and destination: a front
+    /// flag's relay copies the block's entries (table and per-rank rows) from the pinned
+    /// `entries_host` the host wrote to `entries`, so that the read experts and the combination
+    /// read them from device memory. The kernels take the relay's address; the step's graph
+    /// zeroes every `seen` first.
+    relays: DevBuf,
     /// PLE rows gathered on the host `[decoder layer, ple_embed_dim]`.
     ple_host: Pinned,
     /// The MoE input as the host sees it `[l, hidden]`, and the outputs of the experts computed
@@ -460,6 +472,17 @@ pub struct CudaModel {
     /// router sets once its ids are in host memory ([`MoeBufs::ready`]) instead of waiting for the
     /// router-ready event (`CHERENKOV_ROUTER_POLL=0`: the event).
     router_poll: bool,
+    /// A streamed step whose router finds its experts is replayed whole from one graph, each
+    /// block's read experts and combination waiting in their kernels for flags the copy stream or
+    /// the host sets ([`CudaModel::step_flagged`]; `CHERENKOV_STEP_GRAPH=1`, a measurement knob).
+    step_graph: bool,
+    /// The flagged steps' graphs ([`CudaModel::step_flagged`]), as `graph` for resident steps.
+    /// Keyed also by whether the lookahead is on (its router is part of each head).
+    flag_graphs: Mutex<Vec<((GraphKey, bool), Graph)>>,
+    /// While a flagged step is captured: the heads leave the side stream that records their
+    /// events unjoined, so that no kernel of the step depends on two nodes (which would cost it
+    /// its early launch); the step joins it once, at its end.
+    joins_deferred: std::sync::atomic::AtomicBool,
     /// The deadline cut's weight (`--cut-weak`): None waits for every read.
     pub cut_weak: Option<f32>,
     /// Replay steps that never wait for the host (every expert resident) as CUDA graphs.
@@ -507,6 +530,56 @@ fn cpu_expert_bufs(gpu: &Gpu, c: &TextConfig, layers: usize, on: bool) -> Result
 
 /// Bytes of one MoE layer's entries in [`MoeBufs`]: `k` table entries (u64), then `k` ranks
 /// (i32), padded so that the next layer's table is 8-byte aligned.
+/// A flagged streamed step's flags per MoE layer ([`MoeBufs::flags`]): the read experts' fronts
+/// landed (their gate/up launch waits for it), their backs landed (the down launch), and the host's
+/// turn done (the next layer's router waits for it before it reads the hit map).
+const FLAG_FRONT: usize = 0;
+const FLAG_BACK: usize = 1;
+const FLAG_TURN: usize = 2;
+
+/// The graph for `key` in `cache`, captured by `capture` where there is none. A few are kept
+/// (decode steps and prompt steps, which want no logits, alternate), the latest used last.
+fn cached_graph<K: PartialEq>(
+    cache: &mut Vec<(K, Graph)>,
+    key: K,
+    capture: impl FnOnce() -> Result<Graph>,
+) -> Result<&Graph> {
+    const KEEP: usize = 4;
+    match cache.iter().position(|(k, _)| *k == key) {
+        Some(i) => {
+            let g = cache.remove(i);
+            cache.push(g);
+        }
+        None => {
+            let graph = capture()?;
+            if cache.len() == KEEP {
+                cache.remove(0);
+            }
+            cache.push((key, graph));
+        }
+    }
+    Ok(&cache.last().expect("present above").1)
+}
+
+/// The relays of `layers` MoE layers' flags ([`MoeBufs::relays`]), four u64 each: the count of
+/// words to copy (high half; the low half, `seen`, zero), the flag's address, and the copy's source
+/// and destination. A front flag's relay copies its layer's entries (`stride` bytes) from the pinned
+/// `entries_host` to `entries`; the other flags' copy nothing.
+fn relay_rows(layers: usize, stride: usize, flags: u64, entries_host: u64, entries: u64) -> Vec<u64> {
+    (0..layers * 4)
+        .flat_map(|f| {
+            let flag = flags + (f * 4) as u64;
+            match (f / 4, f % 4) {
+                (layer, FLAG_FRONT) => {
+                    let at = (layer * stride) as u64;
+                    [((stride / 8) as u64) << 32, flag, entries_host + at, entries + at]
+                }
+                _ => [0, flag, 0, 0],
+            }
+        })
+        .collect()
+}
+
 fn entries_stride(k: usize) -> usize {
     k * 8 + (k * 4).next_multiple_of(8)
 }
@@ -520,6 +593,30 @@ impl MoeBufs {
     /// Where MoE layer `l`'s address table starts on the device.
     fn table_at(&self, l: usize, k: usize) -> u64 {
         self.entries.at(l * entries_stride(k))
+    }
+
+    /// The device's address of MoE layer `l`'s flag `which` ([`MoeBufs::flags`]).
+    fn flag_dev(&self, l: usize, which: usize) -> u64 {
+        self.flags.dev + ((l * 4 + which) * 4) as u64
+    }
+
+    /// The device's address of the relay of MoE layer `l`'s flag `which` ([`MoeBufs::relays`]),
+    /// for the kernels that wait for it.
+    fn flag_relay(&self, l: usize, which: usize) -> u64 {
+        self.relays.ptr + ((l * 4 + which) * 32) as u64
+    }
+
+    /// Zeroes every relay's `seen` on the compute stream, before the kernels that wait on them.
+    fn clear_relays(&self, gpu: &Gpu) -> Result<()> {
+        gpu.fill_u32_strided(self.relays.ptr, 32, 0, self.relays.bytes / 32)
+    }
+
+    /// Sets MoE layer `l`'s flag `which` from the host, after everything this thread wrote before
+    /// (a release store).
+    fn set_flag(&self, l: usize, which: usize) {
+        // SAFETY: in bounds (four u32 per MoE layer, 4-aligned); pinned memory the device reads.
+        let flag = unsafe { &*(self.flags.host.cast::<std::sync::atomic::AtomicU32>().add(l * 4 + which)) };
+        flag.store(1, std::sync::atomic::Ordering::Release);
     }
 
     /// Where MoE layer `l`'s per-rank table entries start on the device.
@@ -544,6 +641,12 @@ impl MoeBufs {
                 ])
             })
             .collect::<Result<Vec<_>>>()?;
+        let flags = gpu.pinned(l * 16, what)?;
+        let stride = entries_stride(k);
+        let entries = gpu.zeros(l * stride, what)?;
+        let entries_host = gpu.pinned(l * stride, what)?;
+        let relays = gpu.zeros(l * 4 * 32, what)?;
+        gpu.htod(relays.ptr, &relay_rows(l, stride, flags.dev, entries_host.dev, entries.ptr))?;
         Ok(MoeBufs {
             ids: gpu.zeros(l * k * 4, what)?,
             weights: gpu.zeros(l * k * 4, what)?,
@@ -552,12 +655,14 @@ impl MoeBufs {
             pred_ids: gpu.zeros(l * 2 * k * 4, what)?,
             pred_weights: gpu.zeros(l * 2 * k * 4, what)?,
             pred_host: gpu.pinned(l * 2 * k * 4, what)?,
-            entries: gpu.zeros(l * entries_stride(k), what)?,
+            entries,
             found: gpu.zeros(l * k * 8, what)?,
-            entries_host: gpu.pinned(l * entries_stride(k), what)?,
+            entries_host,
             bias_host: gpu.pinned(l * 2 * e * 4, what)?,
             stamps: gpu.pinned(l * 2 * 8, what)?,
             ready: gpu.pinned(l * 4, what)?,
+            flags,
+            relays,
             ple_host: gpu.pinned(f32s(c.num_hidden_layers * c.ple_embed_dim), "the PLE rows")?,
             x_host: cpu_bufs.0,
             cpu_out: cpu_bufs.1,
@@ -680,6 +785,9 @@ impl CudaModel {
             reads_first: std::env::var("CHERENKOV_READS_FIRST").map_or(true, |v| v != "0"),
             device_hits,
             router_poll: std::env::var("CHERENKOV_ROUTER_POLL").map_or(true, |v| v != "0"),
+            step_graph: std::env::var("CHERENKOV_STEP_GRAPH").is_ok_and(|v| v == "1"),
+            flag_graphs: Mutex::new(Vec::new()),
+            joins_deferred: std::sync::atomic::AtomicBool::new(false),
             cut_weak: None,
             cpu_experts: None,
             graphs: std::env::var_os("CHERENKOV_NO_GRAPHS").is_none(),
@@ -813,8 +921,17 @@ impl CudaModel {
         // A replayable step: every expert resident and attention below the QSA budget (past it the
         // host picks the visible blocks).
         let dense_attention = c.qsa.as_ref().is_none_or(|q| (s.pos + 1) / q.compress_ratio <= q.block_topk());
+        let flagged = sc.moe.map.is_none()
+            && self.step_graph
+            && self.graphs
+            && self.segments
+            && self.router_poll
+            && self.finds_hits()
+            && dense_attention;
         if sc.moe.map.is_some() && dense_attention && self.graphs {
             self.replay_step(s, sc, want, &mut st)?;
+        } else if flagged {
+            self.step_flagged(s, sc, want, &mut st)?;
         } else {
             self.queue_step(s, sc, want, &mut st)?;
         }
@@ -898,7 +1015,7 @@ impl CudaModel {
                     if segs.graphs[i].is_none() {
                         let graph = self
                             .gpu
-                            .capture(|| self.queue_layer_head(sc, i, layer, ls, pos, next, anatomy_event))
+                            .capture(|| self.queue_layer_head(sc, i, layer, ls, pos, next, anatomy_event, 0))
                             .with_context(|| format!("decoder layer {i}'s segment graph (streamed step)"))?;
                         segs.graphs[i] = Some(graph);
                     }
@@ -909,7 +1026,7 @@ impl CudaModel {
                         a.blocks = (pos + 1) / q.compress_ratio;
                     }
                 }
-                None => self.queue_layer_head(sc, i, layer, ls, pos, next, anatomy_event)?,
+                None => self.queue_layer_head(sc, i, layer, ls, pos, next, anatomy_event, 0)?,
             }
             // The head is on the stream either way: `moe` queues the rest.
             st.head_queued = true;
@@ -934,6 +1051,170 @@ impl CudaModel {
         Ok(())
     }
 
+    /// A streamed step replayed whole from one graph (`CHERENKOV_STEP_GRAPH=1`; every block's
+    /// router finds its landed experts, the host polls the routers' flags, attention below the QSA
+    /// budget). The graph ([`CudaModel::queue_flagged_step`]) holds every layer's head, then its
+    /// read experts and combination, which wait in their kernels for flags: the read experts'
+    /// gate/up for their fronts to land and the down projections for their backs (set by the copy
+    /// stream behind the block's copies, or by the host where nothing is copying), and each router
+    /// for the previous block's turn to be done (the hit map and the slots the host retires change
+    /// only in a turn). After launching it the host takes each block's turn in order
+    /// ([`CudaModel::turn_flagged`]): it launches nothing per layer, so no launch or graph boundary
+    /// sits between a block's copies and its kernels or between two layers.
+    fn step_flagged<'p>(
+        &'p self,
+        s: &mut CudaSession,
+        sc: &mut Scratch,
+        want: Want,
+        st: &mut MoeStep<'p>,
+    ) -> Result<()> {
+        let c = self.config();
+        let w = &self.weights;
+        let depth = self.depth.min(w.layers.len());
+        // SAFETY: the previous step's kernels that wrote these ended with its stream sync.
+        unsafe { self.clear_block_marks(&sc.moe, 0..sc.moe.layers()) };
+        // The heads' host inputs: the lookahead's bias rows (the routers' were written already).
+        if self.lookahead {
+            for layer in w.layers.iter().take(depth).skip(1) {
+                self.write_bias(sc, layer.moe.expert_slot, 1)?;
+            }
+        }
+        let key = (GraphKey { session: s.id, generation: s.generation, want, depth }, self.lookahead);
+        {
+            let mut graphs = self.flag_graphs.lock().unwrap_or_else(|e| e.into_inner());
+            let graph = cached_graph(&mut graphs, key, || {
+                use std::sync::atomic::Ordering::Relaxed;
+                self.joins_deferred.store(true, Relaxed);
+                let graph = self.gpu.capture(|| self.queue_flagged_step(s, sc, want));
+                self.joins_deferred.store(false, Relaxed);
+                graph.context("the streamed step's graph (CHERENKOV_STEP_GRAPH)")
+            })?;
+            self.gpu.replay(graph)?;
+        }
+        // What queueing the heads does on the host: the attention's count of complete QSA blocks
+        // (the captured kernels advance them on the device).
+        let pos = s.pos;
+        for l in &mut s.layers {
+            if let (MixerState::Attention(a), Some(q)) = (&mut l.mixer, &c.qsa) {
+                a.blocks = (pos + 1) / q.compress_ratio;
+            }
+        }
+        for (i, layer) in w.layers.iter().enumerate().take(depth) {
+            let next = w.layers[..depth].get(i + 1).map(|l| &l.moe).filter(|_| self.lookahead);
+            self.turn_flagged(sc, &layer.moe, next, st)?;
+        }
+        // The last blocks' noise draws, while the step ends.
+        self.draw_noise(st);
+        Ok(())
+    }
+
+    /// The device work of a flagged step ([`CudaModel::step_flagged`]), for its graph: as
+    /// [`CudaModel::queue_step`], each layer's head followed by its block's tail
+    /// ([`CudaModel::queue_flagged_tail`]), each router after the previous block's turn flag.
+    fn queue_flagged_step(&self, s: &mut CudaSession, sc: &mut Scratch, want: Want) -> Result<()> {
+        let g = &*self.gpu;
+        let w = &self.weights;
+        g.upload(sc.step_in.ptr, &sc.step_host, 0, 8)?;
+        w.embed_tokens.embed(g, sc.step_in.ptr, sc.x.ptr, self.config().hc_count)?;
+        let pos = s.pos;
+        let depth = self.depth.min(w.layers.len());
+        sc.moe.clear_relays(g)?;
+        let mut after = 0u64;
+        for (i, (layer, ls)) in w.layers.iter().zip(s.layers.iter_mut()).enumerate().take(depth) {
+            let next = w.layers[..depth].get(i + 1).map(|l| &l.moe);
+            self.queue_layer_head(sc, i, layer, ls, pos, next, false, after)?;
+            self.queue_flagged_tail(sc, &layer.moe)?;
+            after = sc.moe.flag_relay(layer.moe.expert_slot, FLAG_TURN);
+        }
+        if want != Want::Nothing {
+            self.hc_read(sc, &w.hyper_connection_mixer)?;
+            w.lm_head.matvec(g, sc.inp.ptr, sc.logits.ptr)?;
+        }
+        if let Want::Top { k, among } = want {
+            self.queue_candidates(sc, k, among, radix_candidates())?;
+        }
+        // The heads' side stream, left unjoined (`joins_deferred`), rejoins: a capture ends joined.
+        if self.gpu.capturing() && self.events_beside {
+            g.join()?;
+        }
+        Ok(())
+    }
+
+    /// A flagged block's tail, queued in the step's graph behind its head (whose launch computed
+    /// the found experts): the read experts, a launch of k entries that skips zero ones, behind the
+    /// block's front and back flags, their table and the per-rank rows the host writes in its turn
+    /// copied to the device by the front flag's relay; then the combination (injected, its stamp
+    /// the block's end).
+    fn queue_flagged_tail(&self, sc: &Scratch, m: &crate::weights::Moe) -> Result<()> {
+        let c = self.config();
+        let k = c.num_experts_per_tok;
+        let l = m.expert_slot;
+        let mb = &sc.moe;
+        let layout = &self.store.manifest.experts.layers[l];
+        let row = mb.table_at(l, k);
+        let io = crate::weights::ExpertIo {
+            wait_front: mb.flag_relay(l, FLAG_FRONT),
+            wait_back: mb.flag_relay(l, FLAG_BACK),
+            ..self.read_expert_io(sc)
+        };
+        self.launch_experts(layout, row, 0, k, &mut || Ok(()), io)?;
+        let [_, _, _, shared, _, _, _] = &sc.big;
+        let shared_out = self.shared_riding(sc, m).map_or(shared.ptr, |r| r.out);
+        let stamp = mb.stamps.dev + (l * 16 + 8) as u64;
+        self.launch_combine(&self.gpu, sc, l, row + (k * 8) as u64, shared_out, true, stamp)
+    }
+
+    /// A flagged block's turn ([`CudaModel::step_flagged`]), on the host while the step's graph
+    /// runs: as [`CudaModel::moe_found`]'s, but instead of launching the read experts and the
+    /// combination it writes their table and per-rank rows into the pinned entries and sets the
+    /// block's flags: behind the copies on the copy stream where a read expert is still copying,
+    /// else at once; last the turn flag, after the lookahead's reads are queued and the landed
+    /// records published in the hit map.
+    fn turn_flagged<'p>(
+        &'p self,
+        sc: &Scratch,
+        m: &crate::weights::Moe,
+        ahead_of: Option<&crate::weights::Moe>,
+        st: &mut MoeStep<'p>,
+    ) -> Result<()> {
+        let l = m.expert_slot;
+        let mb = &sc.moe;
+        let mem = self.pool.memory();
+        st.routed.push(l);
+        self.draw_noise(st);
+        self.await_router(mb, l)?;
+        st.pending = None;
+        // The map changes only in turns, and this router waited for the last one.
+        let (experts, _, lease, rest) = self.lease_found(mb, l)?;
+        let entries = lease.entries();
+        // SAFETY: the device reads this layer's row only behind its flags, set below; the previous
+        // step's reads of it ended with its stream sync.
+        unsafe { self.write_found_rows(mb, l, &lease, &rest) };
+        let mut copying = false;
+        for &r in &rest {
+            lease.wait(r)?;
+            copying |= mem.still_copying(entries[r].slot)?;
+        }
+        if copying {
+            mem.signal_after_copies(mb.flag_dev(l, FLAG_FRONT))?;
+            mem.queue_backs()?;
+            mem.signal_after_copies(mb.flag_dev(l, FLAG_BACK))?;
+        } else {
+            mem.queue_backs()?;
+            mb.set_flag(l, FLAG_FRONT);
+            mb.set_flag(l, FLAG_BACK);
+        }
+        if !st.untimed && !self.anatomy {
+            st.stamped.push(l);
+            st.whole_stamped.push(l);
+        }
+        self.after_queueing(mb, l, &experts, ahead_of)?;
+        mem.publish_landed()?;
+        mb.set_flag(l, FLAG_TURN);
+        self.end_block(st, l, lease);
+        Ok(())
+    }
+
     /// Queues decoder layer `i` up to its MoE block's routing: the PLE, the mixer with its
     /// hyper-connection read, the MoE block's read and its head ([`CudaModel::moe_head`], with
     /// its timed router-ready event where `anatomy_event`).
@@ -947,6 +1228,7 @@ impl CudaModel {
         pos: usize,
         next: Option<&crate::weights::Moe>,
         anatomy_event: bool,
+        after: u64,
     ) -> Result<()> {
         if let Some(p) = &layer.ple {
             let state = ls.ple_conv.as_ref().context("PLE state")?;
@@ -962,7 +1244,7 @@ impl CudaModel {
             _ => unreachable!("session built for this model"),
         }
         self.hc_read(sc, &layer.mlp_hc)?;
-        self.moe_head(sc, &layer.moe, next, anatomy_event)
+        self.moe_head(sc, &layer.moe, next, anatomy_event, after)
     }
 
     /// Runs the step as a replay of a captured graph, capturing it first when there is none for
@@ -977,24 +1259,11 @@ impl CudaModel {
         let c = self.config();
         let key = GraphKey { session: s.id, generation: s.generation, want, depth: self.depth };
         let mut graphs = self.graph.lock().unwrap_or_else(|e| e.into_inner());
-        // A few graphs: decode steps and prompt steps (no logits) alternate.
-        const KEEP: usize = 4;
-        match graphs.iter().position(|(k, _)| *k == key) {
-            Some(i) => {
-                let g = graphs.remove(i);
-                graphs.push(g);
-            }
-            None => {
-                let mut throwaway = MoeStep::new();
-                throwaway.untimed = true;
-                let graph = self.gpu.capture(|| self.queue_step(s, sc, want, &mut throwaway))?;
-                if graphs.len() == KEEP {
-                    graphs.remove(0);
-                }
-                graphs.push((key, graph));
-            }
-        }
-        let (_, graph) = graphs.last().expect("present above");
+        let graph = cached_graph(&mut graphs, key, || {
+            let mut throwaway = MoeStep::new();
+            throwaway.untimed = true;
+            self.gpu.capture(|| self.queue_step(s, sc, want, &mut throwaway))
+        })?;
         self.gpu.replay(graph)?;
         // The replay routes every MoE layer (on the device, from the resident map).
         st.untimed = true;
@@ -1754,13 +2023,16 @@ impl CudaModel {
     /// its routing; streaming, the router-ready event (and with `anatomy_event` its timed twin),
     /// then the lookahead's router and the shared expert. Every expert resident, the router's
     /// launch also takes the shared expert's gate/up and its down projection goes to the side
-    /// stream (the block's tail joins it).
+    /// stream (the block's tail joins it). `after` (0: none): a flag the router waits for before
+    /// it reads the hit map (a flagged step's previous turn, [`CudaModel::step_flagged`]).
+    #[allow(clippy::too_many_arguments)]
     fn moe_head(
         &self,
         sc: &Scratch,
         m: &crate::weights::Moe,
         next: Option<&crate::weights::Moe>,
         anatomy_event: bool,
+        after: u64,
     ) -> Result<()> {
         let c = self.config();
         let g = &*self.gpu;
@@ -1828,6 +2100,7 @@ impl CudaModel {
             table,
             ranks,
             if found_here && self.router_poll { mb.ready.dev + (l * 4) as u64 } else { 0 },
+            after,
         )?;
         let ev = &mb.events[l];
         if !resident {
@@ -1856,7 +2129,7 @@ impl CudaModel {
             let w = self.lookahead_width;
             let ids = mb.pred_ids.at(nl * 2 * k * 4);
             let host = mb.pred_host.dev + (nl * 2 * k * 4) as u64;
-            self.route(ahead.ptr, None, bias, w, ids, mb.pred_weights.at(nl * 2 * k * 4), host, 0, 0, 0, 0)?;
+            self.route(ahead.ptr, None, bias, w, ids, mb.pred_weights.at(nl * 2 * k * 4), host, 0, 0, 0, 0, 0)?;
             self.record_head_event(&ev[5])?;
         }
         // Streaming, the shared expert's gate and up projections where they do not ride along; its
@@ -1878,11 +2151,51 @@ impl CudaModel {
             let layout = &self.store.manifest.experts.layers[l];
             self.launch_experts(layout, mb.found.at(l * k * 8), 0, k, &mut || Ok(()), io)?;
         }
-        if !resident && self.head_events_beside() {
+        if !resident && self.head_events_beside() && !self.joins_deferred.load(std::sync::atomic::Ordering::Relaxed) {
             // The side stream that recorded the head's events rejoins (a capture ends joined).
             g.join()?;
         }
         Ok(())
+    }
+
+    /// Queues MoE layer `l`'s combination ([`moe_combine` in ple_moe.cu]): the expert rows of
+    /// `sc.eout` by the per-rank rows at `ranks`, weighted, plus the shared expert's row
+    /// `shared_out` gated; injected into the residual where `inject` (the step's blocks).
+    #[allow(clippy::too_many_arguments)]
+    fn launch_combine(
+        &self,
+        gpu: &Gpu,
+        sc: &Scratch,
+        l: usize,
+        ranks: u64,
+        shared_out: u64,
+        inject: bool,
+        stamp: u64,
+    ) -> Result<()> {
+        let c = self.config();
+        let (h, k) = (c.hidden_size, c.num_experts_per_tok);
+        let [_, _, _, _, sgate, _, _] = &sc.big;
+        gpu.launch(
+            "moe_combine",
+            (blocks(h, 256), 1, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(sc.eout.ptr),
+                Arg::Ptr(ranks),
+                Arg::Ptr(sc.moe.weights.at(l * k * 4)),
+                Arg::I32(k as i32),
+                Arg::Ptr(shared_out),
+                Arg::Ptr(sgate.ptr),
+                Arg::Ptr(sc.out.ptr),
+                Arg::I32(h as i32),
+                // Fused hyper-connection injection (the step's blocks), else none.
+                Arg::Ptr(if inject { sc.x.ptr } else { 0 }),
+                Arg::Ptr(sc.inj.ptr),
+                Arg::I32(c.hc_count as i32),
+                Arg::Ptr(stamp),
+            ],
+        )
     }
 
     /// Records one of a streamed head's events (router ready, its timed twin, lookahead ready):
@@ -1927,20 +2240,20 @@ impl CudaModel {
                 // SAFETY: a block queued alone ([`CudaModel::moe_alone`]) follows a stream sync.
                 unsafe { self.clear_block_marks(&sc.moe, l..l + 1) };
             }
-            self.moe_head(sc, m, next, self.anatomy && !st.untimed)?;
+            self.moe_head(sc, m, next, self.anatomy && !st.untimed, 0)?;
         }
         let c = self.config().clone();
         let g = &*self.gpu;
         let (h, k) = (c.hidden_size, c.num_experts_per_tok);
         let l = m.expert_slot;
-        let [_, _, _, shared, sgate, _, _] = &sc.big;
+        let [_, _, _, shared, _, _, _] = &sc.big;
         let mb = &sc.moe;
         let resident = mb.map.is_some();
         let ride = self.shared_riding(sc, m);
         let beside = resident && self.shared_beside && ride.is_none();
         // The shared expert's output: the down launch's extra row where it rides along.
         let shared_out = ride.map_or(shared.ptr, |r| r.out);
-        let (table, ranks, weights) = (mb.table_at(l, k), mb.ranks_at(l, k), mb.weights.at(l * k * 4));
+        let (table, ranks) = (mb.table_at(l, k), mb.ranks_at(l, k));
         let ev = &mb.events[l];
         let ahead_of = next.filter(|_| self.lookahead && !resident);
         st.routed.push(l);
@@ -1955,29 +2268,7 @@ impl CudaModel {
             unsafe { mb.stamps.as_mut_slice::<u64>()[l * 2..l * 2 + 2].fill(0) };
         }
         let inject = st.inject;
-        let combine = |gpu: &Gpu, stamp: u64| {
-            gpu.launch(
-                "moe_combine",
-                (blocks(h, 256), 1, 1),
-                256,
-                0,
-                &[
-                    Arg::Ptr(sc.eout.ptr),
-                    Arg::Ptr(ranks),
-                    Arg::Ptr(weights),
-                    Arg::I32(k as i32),
-                    Arg::Ptr(shared_out),
-                    Arg::Ptr(sgate.ptr),
-                    Arg::Ptr(sc.out.ptr),
-                    Arg::I32(h as i32),
-                    // Fused hyper-connection injection (the step's blocks), else none.
-                    Arg::Ptr(if inject { sc.x.ptr } else { 0 }),
-                    Arg::Ptr(sc.inj.ptr),
-                    Arg::I32(c.hc_count as i32),
-                    Arg::Ptr(stamp),
-                ],
-            )
-        };
+        let combine = |gpu: &Gpu, stamp: u64| self.launch_combine(gpu, sc, l, ranks, shared_out, inject, stamp);
         if resident {
             // The router wrote the table: all k experts, in rank order. Timed by the kernels' clock
             // stamps (from the gate/up kernel's start to the combination's), or for the anatomy by
@@ -2274,7 +2565,7 @@ impl CudaModel {
     ) -> Result<()> {
         let c = self.config();
         let g = &*self.gpu;
-        let (h, k, inter) = (c.hidden_size, c.num_experts_per_tok, c.moe_intermediate_size);
+        let k = c.num_experts_per_tok;
         let l = m.expert_slot;
         let mb = &sc.moe;
         let ev = &mb.events[l];
@@ -2289,25 +2580,10 @@ impl CudaModel {
         // 2. Router ready: the host's turn.
         self.await_router(mb, l)?;
         st.pending = None;
-        // SAFETY: the router has written these (`await_router`); nothing writes them now.
-        let experts: Vec<usize> =
-            unsafe { mb.ids_host.as_slice::<i32>() }[l * k..(l + 1) * k].iter().map(|&i| i as usize).collect();
-        // What the router found: the map has not changed since it was queued.
-        let at: Vec<u64> = experts.iter().map(|&e| mem.hit_map_entry(l, e)).collect();
-        let found: Vec<bool> = at.iter().map(|&a| a != 0).collect();
-        let lease = self.pool.acquire_loading(l, &experts)?;
+        // The map has not changed since this router was queued.
+        let (experts, found, lease, rest) = self.lease_found(mb, l)?;
         mem.queue_backs()?;
         let entries = lease.entries();
-        let tag = layer_tag(layout);
-        for (r, e) in entries.iter().enumerate() {
-            if found[r] && at[r] != mem.slot_ptr(e.slot) | tag {
-                bail!(
-                    "MoE layer {l}: the hit map holds expert {} in another slot than the pool (an engine bug)",
-                    e.expert
-                );
-            }
-        }
-        let rest: Vec<usize> = (0..k).filter(|&r| !found[r]).collect();
         // SAFETY: the stream has passed this layer's previous use of its entries (ev[0] follows the
         // previous step's end), so no copy reads them while they are written.
         unsafe { self.write_found_entries(mb, l, &lease, &found, &rest)? };
@@ -2332,14 +2608,7 @@ impl CudaModel {
                 }
                 Ok(())
             };
-            let io = crate::weights::ExpertIo {
-                x: sc.inp.ptr,
-                act: sc.act.at((k + 1) * inter * 4),
-                out: sc.eout.at((k + 1) * h * 4),
-                stamp: 0,
-                shared: None,
-                shared_gate_up: None,
-            };
+            let io = self.read_expert_io(sc);
             self.launch_experts(layout, mb.table_at(l, k), 0, rest.len(), &mut backs, io)?;
             if !stamped {
                 st.read_timed.push(l);
@@ -2368,7 +2637,40 @@ impl CudaModel {
         unsafe {
             mb.stamps.as_mut_slice::<u64>()[layers.start * 2..layers.end * 2].fill(0);
             mb.ready.as_mut_slice::<u32>()[layers.clone()].fill(0);
+            mb.flags.as_mut_slice::<u32>()[layers.start * 4..layers.end * 4].fill(0);
         }
+    }
+
+    /// A block's turn where its router looked its experts up in the hit map, once the router has
+    /// chosen: its experts (from host memory), which ranks it found, the lease of all k (misses'
+    /// copies queued) with each found expert checked to be in its lease's slot, and the ranks it
+    /// did not find (the read experts), in rank order. The caller guarantees the map has not
+    /// changed since the router read it.
+    #[allow(clippy::type_complexity)]
+    fn lease_found(
+        &self,
+        mb: &MoeBufs,
+        l: usize,
+    ) -> Result<(Vec<usize>, Vec<bool>, Lease<'_, DeviceSlots>, Vec<usize>)> {
+        let k = self.config().num_experts_per_tok;
+        let mem = self.pool.memory();
+        // SAFETY: the router has written these (`await_router`); nothing writes them now.
+        let experts: Vec<usize> =
+            unsafe { mb.ids_host.as_slice::<i32>() }[l * k..(l + 1) * k].iter().map(|&i| i as usize).collect();
+        let at: Vec<u64> = experts.iter().map(|&e| mem.hit_map_entry(l, e)).collect();
+        let found: Vec<bool> = at.iter().map(|&a| a != 0).collect();
+        let lease = self.pool.acquire_loading(l, &experts)?;
+        let tag = layer_tag(&self.store.manifest.experts.layers[l]);
+        for (r, e) in lease.entries().iter().enumerate() {
+            if found[r] && at[r] != mem.slot_ptr(e.slot) | tag {
+                bail!(
+                    "MoE layer {l}: the hit map holds expert {} in another slot than the pool (an engine bug)",
+                    e.expert
+                );
+            }
+        }
+        let rest: Vec<usize> = (0..k).filter(|&r| !found[r]).collect();
+        Ok((experts, found, lease, rest))
     }
 
     /// Waits for MoE layer `l`'s router to choose ([`CudaModel::moe_found`]): polls the flag it sets
@@ -2416,6 +2718,26 @@ impl CudaModel {
         found: &[bool],
         rest: &[usize],
     ) -> Result<()> {
+        debug_assert_eq!(found.iter().filter(|&&f| !f).count(), rest.len());
+        let (t, r) = self.found_rows(l, lease, rest);
+        // SAFETY: the caller's guarantee.
+        unsafe { self.upload_entries(mb, l, &t, &r) }
+    }
+
+    /// [`CudaModel::write_found_entries`]'s table and per-rank rows, written into the pinned
+    /// entries only (a flagged step's tail reads them there, [`CudaModel::queue_flagged_tail`]).
+    ///
+    /// # Safety
+    /// Nothing may be reading layer `l`'s row of the pinned entries.
+    unsafe fn write_found_rows(&self, mb: &MoeBufs, l: usize, lease: &Lease<'_, DeviceSlots>, rest: &[usize]) {
+        let (t, r) = self.found_rows(l, lease, rest);
+        // SAFETY: the caller's guarantee.
+        unsafe { self.write_entry_rows(mb, l, &t, &r) }
+    }
+
+    /// The address table (the lease's entries of ranks `rest`, in that order, then zeros) and the
+    /// per-rank rows (rank r's row is r, the found launch's, except k + 1 + its place in `rest`).
+    fn found_rows(&self, l: usize, lease: &Lease<'_, DeviceSlots>, rest: &[usize]) -> (Vec<u64>, Vec<i32>) {
         let k = self.config().num_experts_per_tok;
         let entries = lease.entries();
         let tag = layer_tag(&self.store.manifest.experts.layers[l]);
@@ -2428,9 +2750,7 @@ impl CudaModel {
             t[j] = mem.slot_ptr(entries[rank].slot) | tag;
             r[rank] = (k + 1 + j) as i32;
         }
-        debug_assert_eq!(found.iter().filter(|&&f| !f).count(), rest.len());
-        // SAFETY: the caller's guarantee.
-        unsafe { self.upload_entries(mb, l, &t, &r) }
+        (t, r)
     }
 
     /// Writes MoE layer `l`'s address table `t` and per-rank table entries `r` (k each) into its
@@ -2440,9 +2760,21 @@ impl CudaModel {
     /// # Safety
     /// No queued copy may still be reading layer `l`'s row of the pinned entries.
     unsafe fn upload_entries(&self, mb: &MoeBufs, l: usize, t: &[u64], r: &[i32]) -> Result<()> {
+        let stride = entries_stride(self.config().num_experts_per_tok);
+        // SAFETY: the caller's guarantee.
+        unsafe { self.write_entry_rows(mb, l, t, r) };
+        self.gpu.upload(mb.entries.at(l * stride), &mb.entries_host, l * stride, stride)
+    }
+
+    /// Writes MoE layer `l`'s address table `t` and per-rank table entries `r` into its row of the
+    /// pinned entries.
+    ///
+    /// # Safety
+    /// Nothing may be reading layer `l`'s row of the pinned entries.
+    unsafe fn write_entry_rows(&self, mb: &MoeBufs, l: usize, t: &[u64], r: &[i32]) {
         let k = self.config().num_experts_per_tok;
         let stride = entries_stride(k);
-        // SAFETY: the caller guarantees no copy reads these rows now.
+        // SAFETY: the caller guarantees nothing reads these rows now.
         let row = unsafe { &mut mb.entries_host.as_mut_slice::<u8>()[l * stride..(l + 1) * stride] };
         let (table_bytes, rank_bytes) = row.split_at_mut(k * 8);
         for (dst, v) in table_bytes.chunks_exact_mut(8).zip(t) {
@@ -2451,7 +2783,6 @@ impl CudaModel {
         for (dst, v) in rank_bytes.chunks_exact_mut(4).zip(r) {
             dst.copy_from_slice(&v.to_ne_bytes());
         }
-        self.gpu.upload(mb.entries.at(l * stride), &mb.entries_host, l * stride, stride)
     }
 
     /// Draws the synthetic routers' noise of the layers `st` holds ([`MoeStep::noise`]).
@@ -2635,6 +2966,7 @@ impl CudaModel {
         table: u64,
         ranks: u64,
         ready: u64,
+        after: u64,
     ) -> Result<()> {
         let c = self.config();
         self.gpu.launch(
@@ -2660,6 +2992,7 @@ impl CudaModel {
                 Arg::Ptr(slices.map_or(0, |s| s.parts)),
                 Arg::I32(slices.map_or(0, |s| s.slices as i32)),
                 Arg::Ptr(ready),
+                Arg::Ptr(after),
             ],
         )
     }
@@ -2697,7 +3030,20 @@ impl CudaModel {
         shared: Option<crate::weights::SharedDown>,
         shared_gate_up: Option<crate::weights::SharedGateUp>,
     ) -> crate::weights::ExpertIo {
-        crate::weights::ExpertIo { x: sc.inp.ptr, act: sc.act.ptr, out: sc.eout.ptr, stamp, shared, shared_gate_up }
+        crate::weights::ExpertIo {
+            stamp,
+            shared,
+            shared_gate_up,
+            ..crate::weights::ExpertIo::new(sc.inp.ptr, sc.act.ptr, sc.eout.ptr)
+        }
+    }
+
+    /// The read experts' buffers where the router found the others ([`CudaModel::moe_found`]):
+    /// their rows after row k (the found experts' rows, then the riding shared expert's).
+    fn read_expert_io(&self, sc: &Scratch) -> crate::weights::ExpertIo {
+        let c = self.config();
+        let (h, k, inter) = (c.hidden_size, c.num_experts_per_tok, c.moe_intermediate_size);
+        crate::weights::ExpertIo::new(sc.inp.ptr, sc.act.at((k + 1) * inter * 4), sc.eout.at((k + 1) * h * 4))
     }
 
     /// (intermediate, hidden) of the routed experts.
@@ -2909,6 +3255,25 @@ mod tests {
             assert!(s >= k * 12 && s < k * 12 + 8, "k = {k}: stride {s}");
         }
         assert_eq!(entries_stride(10), 120);
+    }
+
+    #[test]
+    fn only_a_front_flags_relay_copies_and_it_copies_its_layers_entries() {
+        let (flags, host, dev) = (0x1000u64, 0x2000_0000u64, 0x7000_0000u64);
+        let stride = entries_stride(10);
+        let rows = relay_rows(3, stride, flags, host, dev);
+        assert_eq!(rows.len(), 3 * 4 * 4);
+        for (f, r) in rows.chunks(4).enumerate() {
+            let (layer, which) = (f / 4, f % 4);
+            assert_eq!(r[0] as u32, 0, "flag {f}: `seen` starts clear");
+            assert_eq!(r[1], flags + (f * 4) as u64, "flag {f}: its own word in the flags");
+            if which == FLAG_FRONT {
+                assert_eq!(r[0] >> 32, 15, "layer {layer}: 120 bytes of entries are 15 words");
+                assert_eq!((r[2], r[3]), (host + (layer * 120) as u64, dev + (layer * 120) as u64));
+            } else {
+                assert_eq!((r[0] >> 32, r[2], r[3]), (0, 0, 0), "flag {f} copies nothing");
+            }
+        }
     }
 
     fn matrix(data: (u64, u64), scales: (u64, u64)) -> RecordMatrix {

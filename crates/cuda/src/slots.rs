@@ -483,6 +483,26 @@ impl DeviceSlots {
         Ok(())
     }
 
+    /// Whether a copy into `slot` from the pinned file is still waiting to be queued or running
+    /// (a front waiting in a batch is queued first, with the rest of the batch).
+    pub fn still_copying(&self, slot: usize) -> Result<bool> {
+        let mut c = self.lock_queued(slot)?;
+        self.settle(&mut c)
+    }
+
+    /// Sets the u32 at `flag` (the device's address of host-mapped memory) to 1 behind every copy
+    /// queued on the copy stream so far (`cuStreamWriteValue32`): a replayed streamed step's read
+    /// experts wait for it in their kernels (`flag_wait`) instead of the compute stream waiting for
+    /// the copies' events.
+    pub fn signal_after_copies(&self, flag: u64) -> Result<()> {
+        self.queue_fronts()?;
+        let stream = self.copy_stream()?;
+        // SAFETY: a stream of this context; flag is a mapped u32 that outlives the copies.
+        unsafe { sys::cuStreamWriteValue32_v2(stream, flag, 1, 0) }
+            .result()
+            .map_err(|e| anyhow!("cannot queue a flag behind the expert copies: {e}"))
+    }
+
     /// Makes the GPU's compute stream wait for the front part of the copy into `slot` (its gate
     /// and up projections), if it may still be running; otherwise as [`DeviceSlots::await_slot`].
     pub fn await_front(&self, slot: usize) -> Result<bool> {

@@ -1004,6 +1004,18 @@ pub struct ExpertIo {
     /// The shared expert's gate and up projections as the gate/up launch's last entry, where they
     /// [`shared_gate_up_rides`] (only beside `shared`, whose input they are).
     pub shared_gate_up: Option<SharedGateUp>,
+    /// Flags (host memory mapped for the device; 0: none) the gate/up and the down launch wait
+    /// for before they read their table or any record (`flag_wait`, common.cuh): a replayed
+    /// streamed step's read experts, whose records may still be landing when the launch starts.
+    pub wait_front: u64,
+    pub wait_back: u64,
+}
+
+impl ExpertIo {
+    /// Input `x`, activations `act` and outputs `out`, nothing stamped, riding or waited for.
+    pub fn new(x: u64, act: u64, out: u64) -> ExpertIo {
+        ExpertIo { x, act, out, stamp: 0, shared: None, shared_gate_up: None, wait_front: 0, wait_back: 0 }
+    }
 }
 
 /// The shared expert's gate and up projections riding along in the routed experts' gate/up launch
@@ -1198,6 +1210,7 @@ pub fn launch_experts(
             Arg::I32(shg.group_size as i32),
             Arg::Ptr(shg.gate_out),
             Arg::Ptr(shg.up_out),
+            Arg::Ptr(io.wait_front),
         ],
     )?;
     between()?;
@@ -1225,6 +1238,7 @@ pub fn launch_experts(
             Arg::Ptr(sh.gate),
             Arg::Ptr(sh.up),
             Arg::Ptr(sh.out),
+            Arg::Ptr(io.wait_back),
         ],
     )
 }

@@ -126,7 +126,7 @@ fn bus_expert_probe() {
     let act = gpu.zeros(10 * INTER * 4, "probe act").unwrap();
     let out = gpu.zeros(10 * H * 4, "probe out").unwrap();
     let table = gpu.alloc(10 * 8, "probe table").unwrap();
-    let io = ExpertIo { x: dx.ptr, act: act.ptr, out: out.ptr, stamp: 0, shared: None, shared_gate_up: None };
+    let io = ExpertIo::new(dx.ptr, act.ptr, out.ptr);
     let run = |entries: &[u64]| {
         launch_experts(&gpu, &layout, rb, table.ptr, 0, entries.len(), io, (INTER, H), &mut || Ok(())).unwrap();
     };

@@ -1,7 +1,7 @@
 //! The timeline analysis scripts (`tools/gpu/timeline_tails.py`, `timeline_sms.py`,
-//! `timeline_marks.py`, `timeline_phases.py`; `timeline_kernels.py` on a launch table) on block
-//! records made up here, so that a change to the record format or the grouping shows before a
-//! device call does. Needs `python3` (CI has it).
+//! `timeline_marks.py`, `timeline_phases.py`; `timeline_kernels.py` and `timeline_heads_tails.py` on
+//! launch tables) on records made up here, so that a change to the record format or the grouping
+//! shows before a device call does. Needs `python3` (CI has it).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -159,4 +159,43 @@ fn the_kernels_script_splits_a_kernel_by_grid_and_predecessor() {
     assert_eq!(cols(&split, "b/320<a")[1..], ["1", "5.00", "5.50", "5.50"], "{split}");
     assert_eq!(cols(&split, "b/320<c")[1..], ["1", "3.00", "3.50", "3.50"], "{split}");
     assert_eq!(cols(&split, "a/10<-")[1], "1", "{split}");
+}
+
+/// A streamed step's launch table of two MoE blocks: each a head kernel, the block's router, the
+/// lookahead's router, an expert launch and the combination (ends in us: block 1's router at 10,
+/// its combination at 40; block 2's router at 55, its combination at 95).
+fn streamed_table() -> String {
+    let mut s = String::from("# a streamed step made up for the test\n");
+    s += "launch\tkernel\tblocks\tstart\twaited\twaited_last\tend\tgap\town\tadded\n";
+    for (i, (kernel, end)) in [
+        ("embed_row", 2.0),
+        ("route_topk", 10.0),
+        ("route_topk", 14.0),
+        ("expert_gate_up_q4", 30.0),
+        ("moe_combine", 40.0),
+        ("matvec_many", 50.0),
+        ("route_topk", 55.0),
+        ("route_topk", 60.0),
+        ("expert_down_q4", 90.0),
+        ("moe_combine", 95.0),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        s += &format!("{i}\t{kernel}\t1\t0\t0\t0\t{end:.2}\t0\t0\t0\n");
+    }
+    s + "\n# totals\n"
+}
+
+#[test]
+fn the_heads_and_tails_script_splits_each_block_at_its_router() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tl-step1.tsv");
+    std::fs::write(&path, streamed_table()).unwrap();
+    let out = Command::new("python3").arg(script("timeline_heads_tails.py")).arg(&path).output().expect("python3 runs");
+    assert!(out.status.success(), "timeline_heads_tails.py failed: {}", String::from_utf8_lossy(&out.stderr));
+    let out = String::from_utf8(out.stdout).expect("UTF-8 output");
+    // Block 2's head: 40 to 55; the first block's is left out. Tails: 10 to 40, 55 to 95.
+    assert!(out.contains("step 95 us, 2 blocks, heads 15 us, tails 70 us"), "{out}");
+    assert!(out.contains("tails: 30.0 40.0"), "{out}");
 }

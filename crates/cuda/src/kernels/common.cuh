@@ -145,6 +145,58 @@ __device__ __forceinline__ void grid_enter() {
     grid_release();
 }
 
+// Waits, if `relay` is set, until its flag is nonzero: thread 0 polls with acquire loads, then the
+// block's barrier. A streamed step replayed whole (CudaModel's flagged step) holds a block's read
+// experts and its router so: the copy stream sets the flag once their records landed, or the host
+// once its turn is done.
+//
+// `relay` points at a flag's relay in device memory, 32 bytes: the u32 `seen` (zeroed before the
+// waiting kernels are queued), a u32 count of 8-byte words, then the address of the flag itself (a
+// u32 in host memory mapped for the device that the host or a stream write sets), and the words'
+// source (host memory) and destination (device memory). Only the grid's first block reads the flag
+// over the bus; its first warp then copies the words (the rows the host wrote before setting the
+// flag: the kernels behind it read them from device memory, not each over the bus) and sets
+// `seen`, which every other block polls in device memory. (Every block polling the host's word, each
+// read a round trip over PCIe, flooded the bus the expert copies use: session 31 measured a flagged
+// step ten times slower.) Blocks start in order of their index, so the first is running while any
+// other waits.
+__device__ __forceinline__ void flag_wait(const unsigned* relay) {
+    if (!relay) return;
+    unsigned v;
+    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
+        if (threadIdx.x < 32) {
+            const unsigned long long* r = reinterpret_cast<const unsigned long long*>(relay);
+            if (threadIdx.x == 0) {
+                const unsigned* flag = reinterpret_cast<const unsigned*>(r[1]);
+                for (;;) {
+                    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+                    if (v) break;
+                    __nanosleep(64);
+                }
+            }
+            __syncwarp();
+            const unsigned words = relay[1];
+            const unsigned long long* src = reinterpret_cast<const unsigned long long*>(r[2]);
+            unsigned long long* dst = reinterpret_cast<unsigned long long*>(r[3]);
+            for (unsigned i = threadIdx.x; i < words; i += 32) {
+                unsigned long long w;
+                asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(w) : "l"(src + i) : "memory");
+                dst[i] = w;
+            }
+            __threadfence();
+            __syncwarp();
+            if (threadIdx.x == 0) asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(relay), "r"(1u) : "memory");
+        }
+    } else if (threadIdx.x == 0) {
+        for (;;) {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(relay) : "memory");
+            if (v) break;
+            __nanosleep(256);
+        }
+    }
+    __syncthreads();
+}
+
 __device__ __forceinline__ float bf16f(u16 b) { return __uint_as_float(((u32)b) << 16); }
 
 __device__ __forceinline__ float f16f(u16 h) {

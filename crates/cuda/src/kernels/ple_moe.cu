@@ -80,6 +80,7 @@ __device__ __forceinline__ u32 route_key(float v) {
 // 5.97 at 8 (32 registers); 32 (80 registers) was faster still in the kernel but slower in tok/s
 // (benchmark/notes-cuda.md, sessions 24 and 25).
 //
+// `after` (may be null): a flag to wait for before anything else (`flag_wait`).
 // `ready` (may be null; host memory mapped for the device): set to 1 once the chosen ids are in
 // `ids_host`, so that the host, polling it, starts its turn without waiting for the launch's end
 // and an event behind it. Every kernel queued before this one has finished by then (it waited).
@@ -88,8 +89,14 @@ __device__ __forceinline__ u32 route_key(float v) {
 #endif
 extern "C" __global__ void route_topk(const float* logits, const float* bias, float model_w, int E, int k, int norm,
                                       int* ids, float* weights, int* ids_host, const u64* map, u64* table,
-                                      int* rank_entry, const float* parts, int ks, unsigned* ready) {
+                                      int* rank_entry, const float* parts, int ks, unsigned* ready,
+                                      const unsigned* after) {
     KSPAN;
+    // `after` (may be null): the previous block's turn done (the hit map and the slots the host
+    // retires change only in a turn), before the map is read.
+    if (after) {
+        flag_wait(after);
+    }
     // The synthetic routers' bias is written by the host before the step is queued, never by a
     // kernel (it may be host memory mapped for the device): read before waiting for the logits.
     const float b = bias && (int)threadIdx.x < E ? bias[threadIdx.x] : 0.0f;
@@ -408,9 +415,14 @@ struct SharedDown {
 template <int BITS>
 __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, const float* act, float* out, int I,
                                                   int H, int gs, int L, u64 d_w, u64 d_s, u64 d_b,
-                                                  const SharedDown sh) {
+                                                  const SharedDown sh, const unsigned* wait) {
     typedef MvFmt<BITS> F;
-    if constexpr (!EXPERT_DOWN_EARLY) grid_enter();
+    // Behind a flag (a replayed step's read experts) the records may still be landing: wait for
+    // it before any weight is requested.
+    if (!EXPERT_DOWN_EARLY || wait) {
+        grid_enter();
+        flag_wait(wait);
+    }
     const bool shared = sh.w && blockIdx.y == gridDim.y - 1;
     const int e = first + blockIdx.y;
     const int dgs = shared ? sh.gs : gs;
@@ -427,13 +439,17 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
     float* y = shared ? sh.out : out + (size_t)e * H;
     const float* x = shared ? sh.gate : act + (size_t)e * I;
     const MvIn in = shared ? MvIn{sh.up, 0.0f, MV_IN_SILU_MUL} : MV_IN_NONE;
-    mv_core<BITS, MV_PLAIN, EXPERT_DOWN_EARLY>(d, d, x, in, H, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,
-                            [&](int tile, const float* v) {
+    const auto put = [&](int tile, const float* v) {
 #pragma unroll
-                                for (int i = 0; i < MV_R; i++) {
-                                    if (tile * MV_R + i < H) y[tile * MV_R + i] = v[i];
-                                }
-                            });
+        for (int i = 0; i < MV_R; i++) {
+            if (tile * MV_R + i < H) y[tile * MV_R + i] = v[i];
+        }
+    };
+    if (wait) {
+        mv_core<BITS, MV_PLAIN, false>(d, d, x, in, H, C, C, gpr, gshift, L, blockIdx.x, gridDim.x, put);
+    } else {
+        mv_core<BITS, MV_PLAIN, EXPERT_DOWN_EARLY>(d, d, x, in, H, C, C, gpr, gshift, L, blockIdx.x, gridDim.x, put);
+    }
 }
 
 #define EXPERT_KERNELS(B)                                                                                             \
@@ -442,8 +458,10 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
                                                    int H, int gs, int rpb, u64 g_w, u64 g_s, u64 g_b, u64 u_w,         \
                                                    u64 u_s, u64 u_b, u64* stamp, const u32* shg_w, const u16* shg_s,   \
                                                    const u16* shg_b, const u32* shu_w, const u16* shu_s,               \
-                                                   const u16* shu_b, int sh_gs, float* sh_gate, float* sh_up) { KSPAN; \
+                                                   const u16* shu_b, int sh_gs, float* sh_gate, float* sh_up,          \
+                                                   const unsigned* wait) { KSPAN;                                      \
         grid_enter();                                                                                                  \
+        flag_wait(wait);                                                                                               \
         stamp_first(stamp);                                                                                            \
         expert_gate_up<B>(table, first, x, act, I, H, gs, rpb, g_w, g_s, g_b, u_w, u_s, u_b);                         \
     }                                                                                                                  \
@@ -451,8 +469,9 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
     extern "C" __global__ void expert_down_q##B(const u64* table, int first, const float* act, float* out, int I,     \
                                                 int H, int gs, int rpb, u64 d_w, u64 d_s, u64 d_b, const u32* sh_w,    \
                                                 const u16* sh_s, const u16* sh_b, int sh_gs, const float* sh_gate,     \
-                                                const float* sh_up, float* sh_out) { KSPAN;                            \
+                                                const float* sh_up, float* sh_out, const unsigned* wait) { KSPAN;      \
         grid_enter();                                                                                                  \
+        flag_wait(wait);                                                                                               \
         expert_down<B>(table, first, act, out, I, H, gs, rpb, d_w, d_s, d_b);                                         \
     }
 // MINB as for matvec_q (blocks of 256 threads per multiprocessor; launch_experts knows it).
@@ -461,7 +480,7 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
         expert_gate_up_q##B(const u64* table, int first, const float* x, float* act, int I, int H, int gs, int rpb,  \
                             u64 g_w, u64 g_s, u64 g_b, u64 u_w, u64 u_s, u64 u_b, u64* stamp, const u32* shg_w,       \
                             const u16* shg_s, const u16* shg_b, const u32* shu_w, const u16* shu_s, const u16* shu_b, \
-                            int sh_gs, float* sh_gate, float* sh_up) { KSPAN;                                          \
+                            int sh_gs, float* sh_gate, float* sh_up, const unsigned* wait) { KSPAN;                   \
         if (GATE_UP_STAGE_EARLY && (rpb & MV_TILED)) mv_stage_all<B>(x, H);                                          \
         if (shg_w && blockIdx.y == gridDim.y - 1) {                                                                   \
             /* The shared expert riding along: no wait (see SharedGateUp). */                                         \
@@ -472,6 +491,7 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
             return;                                                                                                   \
         }                                                                                                             \
         grid_enter();                                                                                                 \
+        flag_wait(wait); /* a replayed step's read experts: their records landed, their table written */             \
         stamp_first(stamp);                                                                                           \
         if (!table[first + blockIdx.y]) return; /* not in the hit map: the host's launch computes it */               \
         if (rpb & MV_TILED) {                                                                                         \
@@ -484,12 +504,13 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
     extern "C" __global__ void __launch_bounds__(256, MINB)                                                          \
         expert_down_q##B(const u64* table, int first, const float* act, float* out, int I, int H, int gs, int rpb,   \
                          u64 d_w, u64 d_s, u64 d_b, const u32* sh_w, const u16* sh_s, const u16* sh_b, int sh_gs,    \
-                         const float* sh_gate, const float* sh_up, float* sh_out) { KSPAN;                            \
+                         const float* sh_gate, const float* sh_up, float* sh_out, const unsigned* wait) { KSPAN;      \
         if (rpb & MV_TILED) {                                                                                         \
             expert_down_tiled<B>(table, first, act, out, I, H, gs, rpb & (MV_TILED - 1), d_w, d_s, d_b,             \
-                                 SharedDown{sh_w, sh_s, sh_b, sh_gs, sh_gate, sh_up, sh_out});                       \
+                                 SharedDown{sh_w, sh_s, sh_b, sh_gs, sh_gate, sh_up, sh_out}, wait);                 \
         } else {                                                                                                      \
             grid_enter();                                                                                             \
+            flag_wait(wait);                                                                                          \
             expert_down<B>(table, first, act, out, I, H, gs, rpb, d_w, d_s, d_b);                                     \
         }                                                                                                             \
     }
