@@ -295,10 +295,10 @@ pub(crate) struct MoeBufs {
     flags: Pinned,
     /// Each flag's relay in device memory (`flag_wait` in common.cuh): 32 bytes, a u32 `seen` the
     /// waiting grid's first block sets once it read the flag set, a u32 count of 8-byte words it
-    /// copies first, the flag's device address, and the words' source and destination: a front
-    /// flag's relay copies the block's entries (table and per-rank rows) from the pinned
-    /// `entries_host` the host wrote to `entries`, so that the read experts and the combination
-    /// read them from device memory. The kernels take the relay's address; the step's graph
+    /// copies first, the flag's device address, and the words' source and destination: a front or
+    /// back flag's relay copies the block's entries (table and per-rank rows) from the pinned
+    /// `entries_host` the host wrote to `entries` ([`relay_rows`]), so that the read experts and
+    /// the combination read them from device memory. The kernels take the relay's address; the step's graph
     /// zeroes every `seen` first.
     relays: DevBuf,
     /// PLE rows gathered on the host `[decoder layer, ple_embed_dim]`.
@@ -563,14 +563,15 @@ fn cached_graph<K: PartialEq>(
 
 /// The relays of `layers` MoE layers' flags ([`MoeBufs::relays`]), four u64 each: the count of
 /// words to copy (high half; the low half, `seen`, zero), the flag's address, and the copy's source
-/// and destination. A front flag's relay copies its layer's entries (`stride` bytes) from the pinned
-/// `entries_host` to `entries`; the other flags' copy nothing.
+/// and destination. A front or back flag's relay copies its layer's entries (`stride` bytes) from
+/// the pinned `entries_host` to `entries` (the down launch reads its table before it waits for the
+/// gate/up launch, which copied the same words); the turn flags' copy nothing.
 fn relay_rows(layers: usize, stride: usize, flags: u64, entries_host: u64, entries: u64) -> Vec<u64> {
     (0..layers * 4)
         .flat_map(|f| {
             let flag = flags + (f * 4) as u64;
             match (f / 4, f % 4) {
-                (layer, FLAG_FRONT) => {
+                (layer, FLAG_FRONT | FLAG_BACK) => {
                     let at = (layer * stride) as u64;
                     [((stride / 8) as u64) << 32, flag, entries_host + at, entries + at]
                 }
@@ -1143,7 +1144,7 @@ impl CudaModel {
     /// A flagged block's tail, queued in the step's graph behind its head (whose launch computed
     /// the found experts): the read experts, a launch of k entries that skips zero ones, behind the
     /// block's front and back flags, their table and the per-rank rows the host writes in its turn
-    /// copied to the device by the front flag's relay; then the combination (injected, its stamp
+    /// copied to the device by those flags' relays; then the combination (injected, its stamp
     /// the block's end).
     fn queue_flagged_tail(&self, sc: &Scratch, m: &crate::weights::Moe) -> Result<()> {
         let c = self.config();
@@ -3258,7 +3259,7 @@ mod tests {
     }
 
     #[test]
-    fn only_a_front_flags_relay_copies_and_it_copies_its_layers_entries() {
+    fn a_front_or_back_flags_relay_copies_its_layers_entries_and_a_turn_flags_nothing() {
         let (flags, host, dev) = (0x1000u64, 0x2000_0000u64, 0x7000_0000u64);
         let stride = entries_stride(10);
         let rows = relay_rows(3, stride, flags, host, dev);
@@ -3267,7 +3268,7 @@ mod tests {
             let (layer, which) = (f / 4, f % 4);
             assert_eq!(r[0] as u32, 0, "flag {f}: `seen` starts clear");
             assert_eq!(r[1], flags + (f * 4) as u64, "flag {f}: its own word in the flags");
-            if which == FLAG_FRONT {
+            if which == FLAG_FRONT || which == FLAG_BACK {
                 assert_eq!(r[0] >> 32, 15, "layer {layer}: 120 bytes of entries are 15 words");
                 assert_eq!((r[2], r[3]), (host + (layer * 120) as u64, dev + (layer * 120) as u64));
             } else {

@@ -417,12 +417,13 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
                                                   int H, int gs, int L, u64 d_w, u64 d_s, u64 d_b,
                                                   const SharedDown sh, const unsigned* wait) {
     typedef MvFmt<BITS> F;
-    // Behind a flag (a replayed step's read experts) the records may still be landing: wait for
-    // it before any weight is requested.
-    if (!EXPERT_DOWN_EARLY || wait) {
-        grid_enter();
-        flag_wait(wait);
-    }
+    // Behind a flag (a flagged step's read experts) the records may still be landing: the flag
+    // first, before any weight is requested. Its relay also copies the block's entries (the table
+    // read below) to the device, so the early weights' requests may still come before the wait for
+    // the gate/up kernel. (A second instantiation of mv_core for the flagged launch made the 4-bit
+    // kernel spill: session 31.)
+    if constexpr (!EXPERT_DOWN_EARLY) grid_enter();
+    flag_wait(wait);
     const bool shared = sh.w && blockIdx.y == gridDim.y - 1;
     const int e = first + blockIdx.y;
     const int dgs = shared ? sh.gs : gs;
@@ -439,17 +440,13 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
     float* y = shared ? sh.out : out + (size_t)e * H;
     const float* x = shared ? sh.gate : act + (size_t)e * I;
     const MvIn in = shared ? MvIn{sh.up, 0.0f, MV_IN_SILU_MUL} : MV_IN_NONE;
-    const auto put = [&](int tile, const float* v) {
+    mv_core<BITS, MV_PLAIN, EXPERT_DOWN_EARLY>(d, d, x, in, H, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,
+                            [&](int tile, const float* v) {
 #pragma unroll
-        for (int i = 0; i < MV_R; i++) {
-            if (tile * MV_R + i < H) y[tile * MV_R + i] = v[i];
-        }
-    };
-    if (wait) {
-        mv_core<BITS, MV_PLAIN, false>(d, d, x, in, H, C, C, gpr, gshift, L, blockIdx.x, gridDim.x, put);
-    } else {
-        mv_core<BITS, MV_PLAIN, EXPERT_DOWN_EARLY>(d, d, x, in, H, C, C, gpr, gshift, L, blockIdx.x, gridDim.x, put);
-    }
+                                for (int i = 0; i < MV_R; i++) {
+                                    if (tile * MV_R + i < H) y[tile * MV_R + i] = v[i];
+                                }
+                            });
 }
 
 #define EXPERT_KERNELS(B)                                                                                             \
