@@ -137,3 +137,62 @@ fn every_measurement_variant_compiles() {
         assert!(ptx.contains(".target sm_90"), "PTX is not for sm_90");
     }
 }
+
+/// No kernel spills registers to local memory on Hopper: the kernels are compiled as the engine
+/// compiles them (NVRTC for sm_90), then by `ptxas -v`, whose report names each kernel's spills. A
+/// spill costs a hot kernel its speed without changing a result, so no other test would see it
+/// (session 31: a second instantiation of the tiled core made `expert_down_q4` spill 76 bytes).
+/// `CHERENKOV_PTXAS` names the ptxas binary (tools/test takes the one of the pinned
+/// nvidia-cuda-nvcc wheel and sets `CHERENKOV_REQUIRE_PTXAS=1`, so there a missing one fails).
+#[test]
+fn no_kernel_spills_registers_on_hopper() {
+    let ptxas = std::env::var_os("CHERENKOV_PTXAS").map(std::path::PathBuf::from).filter(|p| p.is_file());
+    let required = std::env::var("CHERENKOV_REQUIRE_PTXAS").is_ok();
+    let (Some(ptxas), true) = (ptxas, cherenkov_cuda::compile::nvrtc_available()) else {
+        assert!(!required, "CHERENKOV_REQUIRE_PTXAS is set but CHERENKOV_PTXAS names no file, or NVRTC is missing");
+        eprintln!("skipped: set CHERENKOV_PTXAS to a CUDA 13.0 ptxas (and NVRTC on LD_LIBRARY_PATH) to run this test");
+        return;
+    };
+    let ptx = cherenkov_cuda::compile::compile("sm_90").unwrap_or_else(|e| panic!("{e:#}"));
+    let dir = tempfile::tempdir().unwrap();
+    let (src, out) = (dir.path().join("kernels.ptx"), dir.path().join("kernels.cubin"));
+    std::fs::write(&src, ptx).unwrap();
+    let run = std::process::Command::new(&ptxas)
+        .args(["-arch=sm_90", "-v", "-o"])
+        .arg(&out)
+        .arg(&src)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", ptxas.display()));
+    let report = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "ptxas failed:\n{report}");
+    let spills = spilling_kernels(&report);
+    let kernels = report.matches("Compiling entry function").count();
+    assert_eq!(kernels, cherenkov_cuda::compile::KERNELS.len(), "kernels in ptxas's report:\n{report}");
+    assert!(spills.is_empty(), "kernels that spill registers on sm_90: {spills:?}");
+}
+
+/// The kernels a `ptxas -v` report shows spilling, with the report's line.
+fn spilling_kernels(report: &str) -> Vec<(String, String)> {
+    let mut kernel = String::new();
+    let mut spills = Vec::new();
+    for line in report.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            kernel = rest.split('\'').next().unwrap_or("?").to_string();
+        } else if line.contains("bytes spill stores") && !line.contains(" 0 bytes spill stores, 0 bytes spill loads") {
+            spills.push((kernel.clone(), line.trim().to_string()));
+        }
+    }
+    spills
+}
+
+#[test]
+fn a_ptxas_report_with_a_spill_names_its_kernel() {
+    let report = "ptxas info    : Compiling entry function 'a' for 'sm_90'\n\
+                  ptxas info    : Function properties for a\n    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+                  ptxas info    : Compiling entry function 'b' for 'sm_90'\n\
+                  ptxas info    : Function properties for b\n    24 bytes stack frame, 76 bytes spill stores, 52 bytes spill loads\n";
+    let spills = spilling_kernels(report);
+    assert_eq!(spills.len(), 1, "{spills:?}");
+    assert_eq!(spills[0].0, "b");
+    assert!(spills[0].1.contains("76 bytes spill stores"));
+}
