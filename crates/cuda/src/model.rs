@@ -298,8 +298,8 @@ pub(crate) struct MoeBufs {
     /// copies first, the flag's device address, and the words' source and destination: a front or
     /// back flag's relay copies the block's entries (table and per-rank rows) from the pinned
     /// `entries_host` the host wrote to `entries` ([`relay_rows`]), so that the read experts and
-    /// the combination read them from device memory. The kernels take the relay's address; the step's graph
-    /// zeroes every `seen` first.
+    /// the combination read them from device memory. The kernels take the relay's address; the
+    /// step's graph zeroes every `seen` first.
     relays: DevBuf,
     /// PLE rows gathered on the host `[decoder layer, ple_embed_dim]`.
     ple_host: Pinned,
@@ -528,8 +528,6 @@ fn cpu_expert_bufs(gpu: &Gpu, c: &TextConfig, layers: usize, on: bool) -> Result
     Ok((gpu.pinned(if on { l * h } else { 1 }, what)?, gpu.pinned(if on { l * k * h } else { 1 }, what)?))
 }
 
-/// Bytes of one MoE layer's entries in [`MoeBufs`]: `k` table entries (u64), then `k` ranks
-/// (i32), padded so that the next layer's table is 8-byte aligned.
 /// A flagged streamed step's flags per MoE layer ([`MoeBufs::flags`]): the read experts' fronts
 /// landed (their gate/up launch waits for it), their backs landed (the down launch), and the host's
 /// turn done (the next layer's router waits for it before it reads the hit map).
@@ -581,6 +579,8 @@ fn relay_rows(layers: usize, stride: usize, flags: u64, entries_host: u64, entri
         .collect()
 }
 
+/// Bytes of one MoE layer's entries in [`MoeBufs`]: `k` table entries (u64), then `k` ranks
+/// (i32), padded so that the next layer's table is 8-byte aligned.
 fn entries_stride(k: usize) -> usize {
     k * 8 + (k * 4).next_multiple_of(8)
 }
@@ -610,6 +610,7 @@ impl MoeBufs {
     /// Zeroes every relay's `seen` on the compute stream, before the kernels that wait on them.
     fn clear_relays(&self, gpu: &Gpu) -> Result<()> {
         gpu.fill_u32_strided(self.relays.ptr, 32, 0, self.relays.bytes / 32)
+            .context("clearing the flagged step's flag relays")
     }
 
     /// Sets MoE layer `l`'s flag `which` from the host, after everything this thread wrote before
@@ -2726,7 +2727,8 @@ impl CudaModel {
     }
 
     /// [`CudaModel::write_found_entries`]'s table and per-rank rows, written into the pinned
-    /// entries only (a flagged step's tail reads them there, [`CudaModel::queue_flagged_tail`]).
+    /// entries only: in a flagged step the block's front and back flags' relays copy them to the
+    /// device ([`MoeBufs::relays`]).
     ///
     /// # Safety
     /// Nothing may be reading layer `l`'s row of the pinned entries.

@@ -1004,9 +1004,10 @@ pub struct ExpertIo {
     /// The shared expert's gate and up projections as the gate/up launch's last entry, where they
     /// [`shared_gate_up_rides`] (only beside `shared`, whose input they are).
     pub shared_gate_up: Option<SharedGateUp>,
-    /// Flags (host memory mapped for the device; 0: none) the gate/up and the down launch wait
-    /// for before they read their table or any record (`flag_wait`, common.cuh): a replayed
-    /// streamed step's read experts, whose records may still be landing when the launch starts.
+    /// Relays of flags (device memory, each naming its flag in host memory; 0: none) the gate/up
+    /// and the down launch wait for before they read their table or any record (`flag_wait`,
+    /// common.cuh): a flagged streamed step's read experts, whose records may still be landing
+    /// when the launch starts.
     pub wait_front: u64,
     pub wait_back: u64,
 }
