@@ -754,7 +754,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         if half_rates.is_empty() { String::new() } else { format!("; {} layers {}", layers / 2, list(&half_rates)) }
     ));
     md.push_str(
-        "Waiting is the host's wait for reads; in the pinned cases the host does not wait for copies, and it is the GPU's, from the resident experts' end to the read experts' start (CUDA events).\n",
+        "Waiting is the host's wait for reads; in the pinned cases the host does not wait for copies, and it is the GPU's, from the resident experts' end to the read experts' start (CUDA events; in a step replayed whole from one graph, the read experts' clock stamps around their wait for the copies' flag).\n",
     );
     md.push_str(&format!(
         "\nCache policies replayed on the warm streamed run's routing trace ({} timed steps, {} slots; each replay starts empty and first replays the {} steps of the prompt and warm-up tokens, uncounted, as the pool did):\n\n",

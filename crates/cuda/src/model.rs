@@ -281,9 +281,12 @@ pub(crate) struct MoeBufs {
     /// Synthetic-router biases `[l, 2, E]`: for routing, then for predicting (read by the router
     /// from host memory).
     bias_host: Pinned,
-    /// Per MoE layer, the GPU clock (ns) when the read experts' gate/up kernel started and when
-    /// the combination after them started, written by those kernels (`stamp_first`): the read
-    /// experts' time without an event between the combination and the next layer's kernels.
+    /// Per MoE layer [`STAMPS`] u64: the GPU clock (ns) when the block's expert kernels started
+    /// (the read experts' gate/up launch, or the found experts' where the router finds them) and
+    /// when the combination after them started, written by those kernels (`stamp_first`): the
+    /// experts' time without an event between the combination and the next layer's kernels. In a
+    /// flagged step also when the read experts' gate/up launch was past its flag's wait, then when
+    /// it began to wait (the found experts done): the GPU's wait for the block's copies.
     stamps: Pinned,
     /// Per MoE layer (u32), set by the router once its ids are in `ids_host` (`route_topk`'s
     /// `ready`) where it finds its experts in the hit map: the host polls it instead of waiting for
@@ -336,6 +339,9 @@ pub(crate) struct MoeStep<'p> {
     /// MoE layers with misses whose copies the stream waited for (copies in the background): their
     /// waiting is the GPU's, from the resident experts' end to the read experts' start.
     gpu_waited: Vec<usize>,
+    /// MoE layers of a flagged step whose read experts' wait for their flag was stamped
+    /// ([`MoeBufs::stamps`]): their waiting is the GPU's, from the found experts' end to the wait's.
+    flag_waited: Vec<usize>,
     /// Timed blocks in step order (their router-ready events recorded): the MoE layer and the
     /// slots its read experts were copied into.
     blocks: Vec<(usize, Vec<usize>)>,
@@ -381,6 +387,7 @@ impl MoeStep<'_> {
             whole_stamped: Vec::new(),
             found: Vec::new(),
             gpu_waited: Vec::new(),
+            flag_waited: Vec::new(),
             blocks: Vec::new(),
             host_turn_ns: 0,
             host_loads_ns: 0,
@@ -474,7 +481,9 @@ pub struct CudaModel {
     router_poll: bool,
     /// A streamed step whose router finds its experts is replayed whole from one graph, each
     /// block's read experts and combination waiting in their kernels for flags the copy stream or
-    /// the host sets ([`CudaModel::step_flagged`]; `CHERENKOV_STEP_GRAPH=1`, a measurement knob).
+    /// the host sets ([`CudaModel::step_flagged`]; `CHERENKOV_STEP_GRAPH=0`: the segment graphs,
+    /// launched block by block). On the H200 (16 layers, 21G pinned, session 32, three calls of 6
+    /// alternating rounds): 355.8, 348.3 and 351.8 tok/s against 346.3, 340.7 and 341.8.
     step_graph: bool,
     /// The flagged steps' graphs ([`CudaModel::step_flagged`]), as `graph` for resident steps.
     /// Keyed also by whether the lookahead is on (its router is part of each head).
@@ -532,6 +541,8 @@ fn cpu_expert_bufs(gpu: &Gpu, c: &TextConfig, layers: usize, on: bool) -> Result
 /// landed (their gate/up launch waits for it), their backs landed (the down launch), and the host's
 /// turn done (the next layer's router waits for it before it reads the hit map).
 const FLAG_FRONT: usize = 0;
+/// Clock stamps per MoE layer ([`MoeBufs::stamps`]).
+const STAMPS: usize = 4;
 const FLAG_BACK: usize = 1;
 const FLAG_TURN: usize = 2;
 
@@ -589,6 +600,11 @@ impl MoeBufs {
     /// The MoE layers it holds rows for.
     fn layers(&self) -> usize {
         self.ready.bytes / 4
+    }
+
+    /// The device's address of MoE layer `l`'s clock stamps ([`MoeBufs::stamps`]).
+    fn stamps_at(&self, l: usize) -> u64 {
+        self.stamps.dev + (l * STAMPS * 8) as u64
     }
 
     /// Where MoE layer `l`'s address table starts on the device.
@@ -661,7 +677,7 @@ impl MoeBufs {
             found: gpu.zeros(l * k * 8, what)?,
             entries_host,
             bias_host: gpu.pinned(l * 2 * e * 4, what)?,
-            stamps: gpu.pinned(l * 2 * 8, what)?,
+            stamps: gpu.pinned(l * STAMPS * 8, what)?,
             ready: gpu.pinned(l * 4, what)?,
             flags,
             relays,
@@ -787,7 +803,7 @@ impl CudaModel {
             reads_first: std::env::var("CHERENKOV_READS_FIRST").map_or(true, |v| v != "0"),
             device_hits,
             router_poll: std::env::var("CHERENKOV_ROUTER_POLL").map_or(true, |v| v != "0"),
-            step_graph: std::env::var("CHERENKOV_STEP_GRAPH").is_ok_and(|v| v == "1"),
+            step_graph: std::env::var("CHERENKOV_STEP_GRAPH").map_or(true, |v| v != "0"),
             flag_graphs: Mutex::new(Vec::new()),
             joins_deferred: std::sync::atomic::AtomicBool::new(false),
             cut_weak: None,
@@ -1053,9 +1069,9 @@ impl CudaModel {
         Ok(())
     }
 
-    /// A streamed step replayed whole from one graph (`CHERENKOV_STEP_GRAPH=1`; every block's
-    /// router finds its landed experts, the host polls the routers' flags, attention below the QSA
-    /// budget). The graph ([`CudaModel::queue_flagged_step`]) holds every layer's head, then its
+    /// A streamed step replayed whole from one graph (the default, `CHERENKOV_STEP_GRAPH=0` turns
+    /// it off; where every block's router finds its landed experts, the host polls the routers'
+    /// flags and attention is below the QSA budget). The graph ([`CudaModel::queue_flagged_step`]) holds every layer's head, then its
     /// read experts and combination, which wait in their kernels for flags: the read experts'
     /// gate/up for their fronts to land and the down projections for their backs (set by the copy
     /// stream behind the block's copies, or by the host where nothing is copying), and each router
@@ -1154,15 +1170,17 @@ impl CudaModel {
         let mb = &sc.moe;
         let layout = &self.store.manifest.experts.layers[l];
         let row = mb.table_at(l, k);
+        // The gate/up launch stamps when its flag's wait began and ended ([`MoeBufs::stamps`]).
         let io = crate::weights::ExpertIo {
             wait_front: mb.flag_relay(l, FLAG_FRONT),
             wait_back: mb.flag_relay(l, FLAG_BACK),
+            stamp: mb.stamps_at(l) + 16,
             ..self.read_expert_io(sc)
         };
         self.launch_experts(layout, row, 0, k, &mut || Ok(()), io)?;
         let [_, _, _, shared, _, _, _] = &sc.big;
         let shared_out = self.shared_riding(sc, m).map_or(shared.ptr, |r| r.out);
-        let stamp = mb.stamps.dev + (l * 16 + 8) as u64;
+        let stamp = mb.stamps_at(l) + 8;
         self.launch_combine(&self.gpu, sc, l, row + (k * 8) as u64, shared_out, true, stamp)
     }
 
@@ -1209,6 +1227,7 @@ impl CudaModel {
         if !st.untimed && !self.anatomy {
             st.stamped.push(l);
             st.whole_stamped.push(l);
+            st.flag_waited.push(l);
         }
         self.after_queueing(mb, l, &experts, ahead_of)?;
         mem.publish_landed()?;
@@ -1326,7 +1345,7 @@ impl CudaModel {
                 // SAFETY: written by kernels of this step, which ended with the stream sync before
                 // this call; read as the device left them.
                 let (start, end) = unsafe {
-                    let p = mb.stamps.host.cast::<u64>().add(l * 2);
+                    let p = mb.stamps.host.cast::<u64>().add(l * STAMPS);
                     (p.read_volatile(), p.add(1).read_volatile())
                 };
                 // Both written (a kernel always writes its stamp; 0 would mean it did not run).
@@ -1349,6 +1368,19 @@ impl CudaModel {
                 self.pool.record_wait(l, w);
                 gpu_wait_ns += w;
                 if st.found.contains(&l) {
+                    ns = ns.saturating_sub(w);
+                }
+            }
+            if st.flag_waited.contains(&l) {
+                // SAFETY: as the stamps above.
+                let (past, began) = unsafe {
+                    let p = mb.stamps.host.cast::<u64>().add(l * STAMPS + 2);
+                    (p.read_volatile(), p.add(1).read_volatile())
+                };
+                if began > 0 && past >= began {
+                    let w = past - began;
+                    self.pool.record_wait(l, w);
+                    gpu_wait_ns += w;
                     ns = ns.saturating_sub(w);
                 }
             }
@@ -2148,7 +2180,7 @@ impl CudaModel {
         }
         if found_here {
             // Their first stamp is the block's (`moe_found`; cleared at the step's start).
-            let stamps = mb.stamps.dev + (l * 16) as u64;
+            let stamps = mb.stamps_at(l);
             let io = self.expert_io(sc, stamps, ride, gate_up_ride);
             let layout = &self.store.manifest.experts.layers[l];
             self.launch_experts(layout, mb.found.at(l * k * 8), 0, k, &mut || Ok(()), io)?;
@@ -2262,12 +2294,12 @@ impl CudaModel {
         let layout = &self.store.manifest.experts.layers[l];
         // Clock stamps instead of events where nothing else needs events (the anatomy reads them).
         let stamp = !st.untimed && !self.anatomy;
-        let stamps = mb.stamps.dev + (l * 16) as u64;
+        let stamps = mb.stamps_at(l);
         // (Where the router finds its experts, the head's launch may have written them already:
         // `queue_step` cleared them.)
         if stamp && !self.finds_hits() {
             // SAFETY: the previous step's kernels that wrote these ended with its stream sync.
-            unsafe { mb.stamps.as_mut_slice::<u64>()[l * 2..l * 2 + 2].fill(0) };
+            unsafe { mb.stamps.as_mut_slice::<u64>()[l * STAMPS..(l + 1) * STAMPS].fill(0) };
         }
         let inject = st.inject;
         let combine = |gpu: &Gpu, stamp: u64| self.launch_combine(gpu, sc, l, ranks, shared_out, inject, stamp);
@@ -2637,7 +2669,7 @@ impl CudaModel {
     unsafe fn clear_block_marks(&self, mb: &MoeBufs, layers: std::ops::Range<usize>) {
         // SAFETY: the caller's guarantee; in bounds (two stamps and one flag per MoE layer).
         unsafe {
-            mb.stamps.as_mut_slice::<u64>()[layers.start * 2..layers.end * 2].fill(0);
+            mb.stamps.as_mut_slice::<u64>()[layers.start * STAMPS..layers.end * STAMPS].fill(0);
             mb.ready.as_mut_slice::<u32>()[layers.clone()].fill(0);
             mb.flags.as_mut_slice::<u32>()[layers.start * 4..layers.end * 4].fill(0);
         }

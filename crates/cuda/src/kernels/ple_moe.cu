@@ -458,6 +458,7 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
                                                    const u16* shu_b, int sh_gs, float* sh_gate, float* sh_up,          \
                                                    const unsigned* wait) { KSPAN;                                      \
         grid_enter();                                                                                                  \
+        if (wait && stamp) stamp_first(stamp + 1); /* the wait's start, then its end */                                \
         flag_wait(wait);                                                                                               \
         stamp_first(stamp);                                                                                            \
         expert_gate_up<B>(table, first, x, act, I, H, gs, rpb, g_w, g_s, g_b, u_w, u_s, u_b);                         \
@@ -488,7 +489,8 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
             return;                                                                                                   \
         }                                                                                                             \
         grid_enter();                                                                                                 \
-        flag_wait(wait); /* a replayed step's read experts: their records landed, their table written */             \
+        if (wait && stamp) stamp_first(stamp + 1); /* the wait's start, then its end */                               \
+        flag_wait(wait); /* a replayed step's read experts: their records landed, their table written */              \
         stamp_first(stamp);                                                                                           \
         if (!table[first + blockIdx.y]) return; /* not in the hit map: the host's launch computes it */               \
         if (rpb & MV_TILED) {                                                                                         \
