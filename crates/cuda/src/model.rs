@@ -546,10 +546,11 @@ fn cpu_expert_bufs(gpu: &Gpu, c: &TextConfig, layers: usize, on: bool) -> Result
 /// landed (their gate/up launch waits for it), their backs landed (the down launch), and the host's
 /// turn done (the next layer's router waits for it before it reads the hit map).
 const FLAG_FRONT: usize = 0;
-/// Clock stamps per MoE layer ([`MoeBufs::stamps`]).
-const STAMPS: usize = 4;
 const FLAG_BACK: usize = 1;
 const FLAG_TURN: usize = 2;
+
+/// Clock stamps per MoE layer ([`MoeBufs::stamps`]).
+const STAMPS: usize = 4;
 
 /// The graph for `key` in `cache`, captured by `capture` where there is none. A few are kept
 /// (decode steps and prompt steps, which want no logits, alternate), the latest used last.
@@ -1077,12 +1078,12 @@ impl CudaModel {
 
     /// A streamed step replayed whole from one graph (the default, `CHERENKOV_STEP_GRAPH=0` turns
     /// it off; where every block's router finds its landed experts, the host polls the routers'
-    /// flags and attention is below the QSA budget). The graph ([`CudaModel::queue_flagged_step`]) holds every layer's head, then its
-    /// read experts and combination, which wait in their kernels for flags: the read experts'
-    /// gate/up for their fronts to land and the down projections for their backs (set by the copy
-    /// stream behind the block's copies, or by the host where nothing is copying), and each router
-    /// for the previous block's turn to be done (the hit map and the slots the host retires change
-    /// only in a turn). After launching it the host takes each block's turn in order
+    /// flags and attention is below the QSA budget). The graph ([`CudaModel::queue_flagged_step`])
+    /// holds every layer's head, then its read experts and combination, which wait in their
+    /// kernels for flags: the read experts' gate/up for their fronts to land and the down
+    /// projections for their backs (set by the copy stream behind the block's copies, or by the
+    /// host where nothing is copying), and each router for the previous block's turn to be done
+    /// (the hit map and the slots the host retires change only in a turn). After launching it the host takes each block's turn in order
     /// ([`CudaModel::turn_flagged`]): it launches nothing per layer, so no launch or graph boundary
     /// sits between a block's copies and its kernels or between two layers.
     fn step_flagged<'p>(
