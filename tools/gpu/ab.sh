@@ -44,7 +44,8 @@ run() { # name settings dir
     tail -5 "$dir/log.txt" >&2
     return 1
   fi
-  grep "^| $row |" "$dir"/bench-*-quick.md | cut -d'|' -f3 | tr -d ' '
+  # The first row of the case: the rates' table (later tables have rows of the same name).
+  grep -m1 "^| $row |" "$dir"/bench-*-quick.md | cut -d'|' -f3 | tr -d ' '
 }
 first=$1
 run "${first%%:*}" "$([ "${first#*:}" != "$first" ] && echo "${first#*:}")" "$OUTDIR/warm-up" > /dev/null

@@ -146,6 +146,8 @@ struct Case {
     loads: cherenkov_cuda::slots::LoadSplit,
     /// Where the timed MoE blocks' GPU time went.
     anatomy: cherenkov_cuda::model::BlockAnatomy,
+    /// The host's turns in steps replayed whole from one graph.
+    flagged: cherenkov_cuda::model::FlaggedTurns,
     /// Share of a token's experts the previous token also used (same layer).
     share: Option<f64>,
     /// Routing steps from the prompt on; the first `warm_steps` (prompt and warm-up) only fill.
@@ -216,6 +218,39 @@ fn anatomy_table(cases: &[Case]) -> String {
             per(m[3], a.blocks),
             per(m[4], a.blocks),
             per(a.host_resident_ns, a.blocks)
+        ));
+    }
+    md
+}
+
+/// The host's turns in the cases whose streamed steps were replayed whole from one graph, as a
+/// markdown section (empty when there are none).
+fn flagged_turn_table(cases: &[Case]) -> String {
+    let flagged: Vec<&Case> = cases.iter().filter(|k| k.flagged.blocks > 0).collect();
+    if flagged.is_empty() {
+        return String::new();
+    }
+    let mut md = String::from(
+        "
+The host's turn in steps replayed whole from one graph (mean ms per block, the host's clock: its wait for the router's flag, then from the flag seen until each point; the next router waits for the turn flag):
+
+| case | blocks | waiting for the router | lease returned (misses' copies queued) | the block's flags set or queued | lookahead's reads queued | turn flag set | ghosts replayed (turn's end) |
+| --- | --- | --- | --- | --- | --- | --- | --- |
+",
+    );
+    for k in flagged {
+        let f = &k.flagged;
+        let per = |ns: u64| format!("{:.3}", ns as f64 / 1e6 / f.blocks as f64);
+        md.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            k.name,
+            f.blocks,
+            per(f.router_wait_ns),
+            per(f.marks[0]),
+            per(f.marks[1]),
+            per(f.marks[2]),
+            per(f.marks[3]),
+            per(f.marks[4])
         ));
     }
     md
@@ -439,6 +474,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             cpu_rates: model.cpu_expert_rates(),
             loads: memory.load_split(),
             anatomy: tm.anatomy,
+            flagged: tm.flagged,
             share: model.skew.as_ref().and_then(|k| k.consecutive_share()),
             warm_steps: warm_trace.len(),
             trace: warm_trace.into_iter().chain(pool.take_trace()).collect(),
@@ -539,6 +575,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             md.push_str(&format!("\nPer-token part {p:.3} ms.\n"));
         }
         md.push_str(&anatomy_table(&cases));
+        md.push_str(&flagged_turn_table(&cases));
         std::fs::create_dir_all(&args.out)?;
         let path = args.out.join(format!("bench-{}-quick.md", today()));
         std::fs::write(&path, &md)?;
@@ -818,6 +855,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         ));
     }
     md.push_str(&anatomy_table(&cases));
+    md.push_str(&flagged_turn_table(&cases));
     if let Some(p) = &peer {
         let tps = p["tokens_per_s"].as_f64().unwrap_or(0.0);
         md.push_str(&format!(
@@ -915,5 +953,20 @@ mod tests {
         assert_eq!(rows.last(), Some(&"| streamed | 0.001 | 0.010 | 0.018 | 0.010 | 0.015 | 0.020 | 0.022 | 0.030 |"));
         assert!(!md.contains("| resident |"), "a case without timed blocks has no rows:\n{md}");
         assert_eq!(anatomy_table(&[Case::default()]), "");
+    }
+
+    #[test]
+    fn the_flagged_turns_are_means_per_block() {
+        let flagged = cherenkov_cuda::model::FlaggedTurns {
+            blocks: 4,
+            router_wait_ns: 8_000,
+            marks: [40_000, 48_000, 80_000, 100_000, 120_000],
+        };
+        let segments = Case { name: "segments".into(), ..Default::default() };
+        let md = flagged_turn_table(&[segments, Case { name: "flagged".into(), flagged, ..Default::default() }]);
+        let rows: Vec<&str> = md.lines().filter(|l| l.starts_with("| flagged |")).collect();
+        assert_eq!(rows, vec!["| flagged | 4 | 0.002 | 0.010 | 0.012 | 0.020 | 0.025 | 0.030 |"]);
+        assert!(!md.contains("| segments |"), "a case without flagged steps has no rows:\n{md}");
+        assert_eq!(flagged_turn_table(&[Case::default()]), "");
     }
 }

@@ -27,6 +27,7 @@
 //!   slot's copy event rather than a host wait: the host goes on queueing while the copies run.
 
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use cherenkov_cpu::ple::gather_embeddings;
@@ -118,6 +119,29 @@ pub struct StepTiming {
     pub cpu_wait_ns: u64,
     /// Where the timed MoE blocks' time went on the GPU (steps not replayed from a graph).
     pub anatomy: BlockAnatomy,
+    /// The host's turns in flagged steps ([`CudaModel::step_flagged`]).
+    pub flagged: FlaggedTurns,
+}
+
+/// The host's turns of the blocks of flagged steps ([`CudaModel::turn_flagged`]), summed over
+/// blocks (ns, the host's clock; every flagged step, timed or not): how long the host waited for
+/// each router's flag (none: the host, not the GPU, was behind), then from the flag seen until
+/// each point of the turn: the lease returned (the misses' copies queued), the block's flags set or
+/// queued behind its copies, the lookahead's reads queued, the turn flag set (the landed records
+/// published: the next router waits for it), the ghosts replayed (the turn's end).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct FlaggedTurns {
+    pub blocks: u64,
+    pub router_wait_ns: u64,
+    pub marks: [u64; 5],
+}
+
+impl FlaggedTurns {
+    fn add(&mut self, o: &FlaggedTurns) {
+        self.blocks += o.blocks;
+        self.router_wait_ns += o.router_wait_ns;
+        (0..5).for_each(|i| self.marks[i] += o.marks[i]);
+    }
 }
 
 /// Where the timed MoE blocks' GPU time went, summed over blocks (ns; CUDA events on the compute
@@ -339,6 +363,8 @@ pub(crate) struct MoeStep<'p> {
     /// MoE layers with misses whose copies the stream waited for (copies in the background): their
     /// waiting is the GPU's, from the resident experts' end to the read experts' start.
     gpu_waited: Vec<usize>,
+    /// The host's turns of a flagged step ([`FlaggedTurns`]).
+    flagged: FlaggedTurns,
     /// MoE layers of a flagged step whose read experts' wait for their flag was stamped
     /// ([`MoeBufs::stamps`]): their waiting is the GPU's, from the found experts' end to the wait's.
     flag_waited: Vec<usize>,
@@ -388,6 +414,7 @@ impl MoeStep<'_> {
             found: Vec::new(),
             gpu_waited: Vec::new(),
             flag_waited: Vec::new(),
+            flagged: FlaggedTurns::default(),
             blocks: Vec::new(),
             host_turn_ns: 0,
             host_loads_ns: 0,
@@ -1210,10 +1237,15 @@ impl CudaModel {
         let mem = self.pool.memory();
         st.routed.push(l);
         self.draw_noise(st);
+        let waiting = Instant::now();
         self.await_router(mb, l)?;
+        let seen = Instant::now();
+        let since = |at: Instant| at.duration_since(seen).as_nanos() as u64;
+        let mut marks = [0u64; 5];
         st.pending = None;
         // The map changes only in turns, and this router waited for the last one.
         let (experts, _, lease, rest) = self.lease_found(mb, l)?;
+        marks[0] = since(Instant::now());
         let entries = lease.entries();
         // SAFETY: the device reads this layer's row only behind its flags, set below; the previous
         // step's reads of it ended with its stream sync.
@@ -1232,6 +1264,7 @@ impl CudaModel {
             mb.set_flag(l, FLAG_FRONT);
             mb.set_flag(l, FLAG_BACK);
         }
+        marks[1] = since(Instant::now());
         if !st.untimed && !self.anatomy {
             st.stamped.push(l);
             st.whole_stamped.push(l);
@@ -1246,11 +1279,18 @@ impl CudaModel {
             mb.events[l][5].wait()?;
         }
         self.look_ahead(mb, l, &experts, ahead_of)?;
+        marks[2] = since(Instant::now());
         mem.publish_landed()?;
         mb.set_flag(l, FLAG_TURN);
+        marks[3] = since(Instant::now());
         if !self.ghosts_before_turn {
             self.pool.replay_ghosts();
         }
+        marks[4] = since(Instant::now());
+        let f = &mut st.flagged;
+        f.blocks += 1;
+        f.router_wait_ns += seen.duration_since(waiting).as_nanos() as u64;
+        (0..5).for_each(|i| f.marks[i] += marks[i]);
         self.end_block(st, l, lease);
         Ok(())
     }
@@ -1420,6 +1460,7 @@ impl CudaModel {
         };
         self.add_timing(|t| {
             t.anatomy.add(&anatomy);
+            t.flagged.add(&st.flagged);
             t.wait_ns += st.wait_ns + gpu_wait_ns;
             t.experts_ns += experts_ns;
             t.queue_ns += queue_ns;
