@@ -1110,9 +1110,10 @@ impl CudaModel {
     /// kernels for flags: the read experts' gate/up for their fronts to land and the down
     /// projections for their backs (set by the copy stream behind the block's copies, or by the
     /// host where nothing is copying), and each router for the previous block's turn to be done
-    /// (the hit map and the slots the host retires change only in a turn). After launching it the host takes each block's turn in order
-    /// ([`CudaModel::turn_flagged`]): it launches nothing per layer, so no launch or graph boundary
-    /// sits between a block's copies and its kernels or between two layers.
+    /// (the hit map and the slots the host retires change only in a turn). After launching it the
+    /// host takes each block's turn in order ([`CudaModel::turn_flagged`]): it launches nothing
+    /// per layer, so no launch or graph boundary sits between a block's copies and its kernels or
+    /// between two layers.
     fn step_flagged<'p>(
         &'p self,
         s: &mut CudaSession,
@@ -1275,10 +1276,7 @@ impl CudaModel {
         if self.ghosts_before_turn {
             self.pool.replay_ghosts();
         }
-        if ahead_of.is_some() {
-            mb.events[l][5].wait()?;
-        }
-        self.look_ahead(mb, l, &experts, ahead_of)?;
+        self.queue_lookahead(mb, l, &experts, ahead_of)?;
         marks[2] = since(Instant::now());
         mem.publish_landed()?;
         mb.set_flag(l, FLAG_TURN);
@@ -2611,6 +2609,18 @@ impl CudaModel {
         ahead_of: Option<&crate::weights::Moe>,
     ) -> Result<()> {
         self.pool.replay_ghosts();
+        self.queue_lookahead(mb, l, experts, ahead_of)
+    }
+
+    /// The lookahead's reads for the block `ahead_of` predicts, once its router's prediction is
+    /// ready ([`CudaModel::look_ahead`]).
+    fn queue_lookahead(
+        &self,
+        mb: &MoeBufs,
+        l: usize,
+        experts: &[usize],
+        ahead_of: Option<&crate::weights::Moe>,
+    ) -> Result<()> {
         if ahead_of.is_some() {
             mb.events[l][5].wait()?;
         }
