@@ -269,6 +269,17 @@ struct SegmentGraphs {
     graphs: Vec<Option<Graph>>,
 }
 
+/// Who runs a flagged turn's lookahead reads ([`CudaModel::turn_flagged`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum PrefetchHere {
+    /// The pool's IO threads, woken for them.
+    Threads,
+    /// The turn's thread, before it sets the turn flag.
+    BeforeTurn,
+    /// The turn's thread, after it sets the turn flag (the reads' slots were taken before it).
+    AfterTurn,
+}
+
 /// What a captured step depends on besides the step inputs: the session's buffers (its identity
 /// and their generation), what it ends with (logits, candidates), and the depth.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -511,6 +522,12 @@ pub struct CudaModel {
     /// than after it (the default), where the replay does not hold up the next router. On the
     /// H200 (16 layers, 21G pinned, 4 rounds): 358.0 tok/s after against 350.9 before.
     ghosts_before_turn: bool,
+    /// Who runs a flagged turn's lookahead reads: the turn's own thread, which launches nothing
+    /// else in a flagged step, before its turn flag (the default), or after it
+    /// (`CHERENKOV_PREFETCH_HERE=2`), or the pool's IO threads, woken for them (`=0`; the order
+    /// before session 33). On the H200 (16 layers, 21G pinned, 6 alternating rounds): 371.8 tok/s
+    /// before the flag, 368.8 after it, 349.8 on the IO threads.
+    prefetch_here: PrefetchHere,
     /// A streamed step whose router finds its experts is replayed whole from one graph, each
     /// block's read experts and combination waiting in their kernels for flags the copy stream or
     /// the host sets ([`CudaModel::step_flagged`]; `CHERENKOV_STEP_GRAPH=0`: the segment graphs,
@@ -837,6 +854,11 @@ impl CudaModel {
             device_hits,
             router_poll: std::env::var("CHERENKOV_ROUTER_POLL").map_or(true, |v| v != "0"),
             ghosts_before_turn: std::env::var("CHERENKOV_GHOSTS_BEFORE_TURN").is_ok_and(|v| v == "1"),
+            prefetch_here: match std::env::var("CHERENKOV_PREFETCH_HERE").as_deref() {
+                Ok("0") => PrefetchHere::Threads,
+                Ok("2") => PrefetchHere::AfterTurn,
+                _ => PrefetchHere::BeforeTurn,
+            },
             step_graph: std::env::var("CHERENKOV_STEP_GRAPH").map_or(true, |v| v != "0"),
             flag_graphs: Mutex::new(Vec::new()),
             joins_deferred: std::sync::atomic::AtomicBool::new(false),
@@ -1223,9 +1245,10 @@ impl CudaModel {
     /// runs: as [`CudaModel::moe_found`]'s, but instead of launching the read experts and the
     /// combination it writes their table and per-rank rows into the pinned entries and sets the
     /// block's flags: behind the copies on the copy stream where a read expert is still copying,
-    /// else at once; then the turn flag, once the lookahead's reads are queued and the landed
-    /// records published in the hit map; last the adaptive policy's ghost replay, which the next
-    /// router does not wait for.
+    /// else at once; then the lookahead's reads, queued on the copy stream by this thread (no IO
+    /// thread to wake: in a flagged step this thread launches nothing else); then the turn flag,
+    /// once the landed records are published in the hit map; last the adaptive policy's ghost
+    /// replay, which the next router does not wait for.
     fn turn_flagged<'p>(
         &'p self,
         sc: &Scratch,
@@ -1276,11 +1299,18 @@ impl CudaModel {
         if self.ghosts_before_turn {
             self.pool.replay_ghosts();
         }
-        self.queue_lookahead(mb, l, &experts, ahead_of)?;
+        let here = self.prefetch_here;
+        self.queue_lookahead(mb, l, &experts, ahead_of, here != PrefetchHere::Threads)?;
+        if here == PrefetchHere::BeforeTurn {
+            self.pool.load_prefetches();
+        }
         marks[2] = since(Instant::now());
         mem.publish_landed()?;
         mb.set_flag(l, FLAG_TURN);
         marks[3] = since(Instant::now());
+        if here == PrefetchHere::AfterTurn {
+            self.pool.load_prefetches();
+        }
         if !self.ghosts_before_turn {
             self.pool.replay_ghosts();
         }
@@ -2609,22 +2639,24 @@ impl CudaModel {
         ahead_of: Option<&crate::weights::Moe>,
     ) -> Result<()> {
         self.pool.replay_ghosts();
-        self.queue_lookahead(mb, l, experts, ahead_of)
+        self.queue_lookahead(mb, l, experts, ahead_of, false)
     }
 
     /// The lookahead's reads for the block `ahead_of` predicts, once its router's prediction is
-    /// ready ([`CudaModel::look_ahead`]).
+    /// ready ([`CudaModel::look_ahead`]); `unwoken`: left queued for this thread to run
+    /// ([`ExpertPool::load_prefetches`]) instead of waking an IO thread.
     fn queue_lookahead(
         &self,
         mb: &MoeBufs,
         l: usize,
         experts: &[usize],
         ahead_of: Option<&crate::weights::Moe>,
+        unwoken: bool,
     ) -> Result<()> {
         if ahead_of.is_some() {
             mb.events[l][5].wait()?;
         }
-        self.look_ahead(mb, l, experts, ahead_of)
+        self.look_ahead(mb, l, experts, ahead_of, unwoken)
     }
 
     /// Ends a streamed block's turn: the synthetic routers' next noise for this layer (the
@@ -3221,7 +3253,14 @@ impl CudaModel {
     /// Scores the last prediction for layer `l` against `actual`; then takes the lookahead's
     /// prediction for the next block (computed on the device before the router-ready event) and
     /// queues its reads behind this step's misses.
-    fn look_ahead(&self, mb: &MoeBufs, l: usize, actual: &[usize], next: Option<&crate::weights::Moe>) -> Result<()> {
+    fn look_ahead(
+        &self,
+        mb: &MoeBufs,
+        l: usize,
+        actual: &[usize],
+        next: Option<&crate::weights::Moe>,
+        unwoken: bool,
+    ) -> Result<()> {
         let mut pred = self.predicted.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(p) = pred[l].take() {
             self.pool.record_lookahead(l, &p, actual);
@@ -3244,14 +3283,20 @@ impl CudaModel {
                 let absent = self.pool.absent(nl, &guess);
                 let reads: Vec<usize> =
                     guess.iter().zip(absent).filter(|(_, a)| *a).map(|(&e, _)| e).take(most).collect();
-                self.pool.prefetch(nl, &reads);
+                self.prefetch(nl, &reads, unwoken);
             }
             None => {
-                self.pool.prefetch(nl, &guess);
+                self.prefetch(nl, &guess, unwoken);
             }
         }
         pred[nl] = Some(guess[..k].to_vec());
         Ok(())
+    }
+
+    /// Queues the pool's reads of `experts` of MoE layer `layer`: woken IO threads run them, or
+    /// (`unwoken`) this thread later ([`ExpertPool::load_prefetches`]).
+    fn prefetch(&self, layer: usize, experts: &[usize], unwoken: bool) -> usize {
+        if unwoken { self.pool.prefetch_unwoken(layer, experts) } else { self.pool.prefetch(layer, experts) }
     }
 }
 

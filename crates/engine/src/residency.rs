@@ -1272,7 +1272,30 @@ impl<M: SlotMemory> ExpertPool<M> {
     /// is left.
     /// Returns the number of reads queued.
     pub fn prefetch(&self, layer: usize, experts: &[usize]) -> usize {
-        self.queue_prefetch(layer, experts, &mut |_, _| {})
+        self.queue_prefetch(layer, experts, true, &mut |_, _| {})
+    }
+
+    /// [`ExpertPool::prefetch`] without waking an IO thread: the reads stay queued until the caller
+    /// runs them ([`ExpertPool::load_prefetches`]), or a thread already awake takes them first.
+    /// For a memory whose load only queues device work (the CUDA slots copying from a pinned
+    /// expert file), whose caller would otherwise wait for a sleeping thread to wake before the
+    /// copies start.
+    pub fn prefetch_unwoken(&self, layer: usize, experts: &[usize]) -> usize {
+        self.queue_prefetch(layer, experts, false, &mut |_, _| {})
+    }
+
+    /// Runs every queued read on the calling thread, prefetches included, each as a load of its
+    /// own (not a step's batch); returns how many it ran. A failed read settles its ticket as on
+    /// an IO thread (the record is forgotten; the step that asks for it reads it again).
+    pub fn load_prefetches(&self) -> usize {
+        let mut ran = 0;
+        loop {
+            let job = self.shared.lock().queue.pop_front();
+            let Some(job) = job else { break };
+            run_job(&self.shared, job);
+            ran += 1;
+        }
+        ran
     }
 
     /// [`ExpertPool::prefetch`], handing each queued read's ticket to `queued_read` while still
@@ -1282,6 +1305,7 @@ impl<M: SlotMemory> ExpertPool<M> {
         &self,
         layer: usize,
         experts: &[usize],
+        wake: bool,
         queued_read: &mut dyn FnMut((usize, usize), &Arc<Ticket>),
     ) -> usize {
         if layer >= self.layers {
@@ -1307,7 +1331,9 @@ impl<M: SlotMemory> ExpertPool<M> {
         }
         if queued > 0 {
             self.shared.counters.record_prefetch(layer, queued as u64);
-            self.wake_readers(queued);
+            if wake {
+                self.wake_readers(queued);
+            }
         }
         queued
     }
@@ -1361,7 +1387,7 @@ impl<M: SlotMemory> ExpertPool<M> {
         // already loading before it.
         let mut tickets: HashMap<(usize, usize), Arc<Ticket>> = HashMap::new();
         for layer in 0..self.layers {
-            self.queue_prefetch(layer, &all, &mut |key, t| {
+            self.queue_prefetch(layer, &all, true, &mut |key, t| {
                 tickets.insert(key, Arc::clone(t));
             });
         }

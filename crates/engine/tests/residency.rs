@@ -904,6 +904,36 @@ fn a_step_can_run_its_own_queued_reads() {
     assert_eq!((s.total.misses, s.total.bytes_read), (2, 3 * f.store.record_bytes() as u64));
 }
 
+#[test]
+fn a_caller_runs_the_prefetches_it_queued_without_waking_a_thread() {
+    let f = fixture();
+    let gated = GatedSlots::new(8, f.store.record_bytes());
+    let memory = Arc::new(ThreadGated { inner: gated.clone(), free: std::thread::current().id() });
+    let pool = ExpertPool::new(Arc::clone(&f.store), memory, 1).unwrap();
+    let _open = OpenOnDrop(gated.clone());
+    // The one IO thread takes a prefetch and blocks at the gate: only this thread can read now.
+    assert_eq!(pool.prefetch(3, &[4]), 1);
+    while gated.entered.load(Ordering::SeqCst) == 0 {
+        std::thread::yield_now();
+    }
+    assert_eq!(pool.prefetch_unwoken(1, &[2, 5]), 2);
+    // Already loading: not queued twice.
+    assert_eq!(pool.prefetch_unwoken(1, &[5]), 0);
+    assert_eq!(pool.load_prefetches(), 2);
+    assert_eq!(gated.loads.load(Ordering::SeqCst), 2);
+    assert_eq!(pool.load_prefetches(), 0);
+    // Both are resident: a step's request hits them.
+    let lease = pool.acquire(1, &[5, 2]).unwrap();
+    for (i, e) in lease.entries().iter().enumerate() {
+        assert!(e.hit && lease.is_ready(i), "expert {}", e.expert);
+        // SAFETY: the entry is loaded and pinned by the lease.
+        let got = unsafe { gated.slots.slot(e.slot) };
+        assert!(got == f.records[1][e.expert].as_slice(), "expert {}", e.expert);
+    }
+    gated.open();
+    drop(lease);
+}
+
 /// Opens the gate when dropped, so a failed assertion does not leave an IO thread blocked at it
 /// (the pool's drop joins its threads). Declare it after the pool: it drops first.
 struct OpenOnDrop(Arc<GatedSlots>);
