@@ -528,9 +528,6 @@ pub struct CudaModel {
     /// before session 33). On the H200 (16 layers, 21G pinned, 6 alternating rounds): 371.8 tok/s
     /// before the flag, 368.8 after it, 349.8 on the IO threads.
     prefetch_here: PrefetchHere,
-    /// Whether the turn's thread queues its lookahead's copies as one batch
-    /// ([`CudaModel::load_prefetches`]).
-    prefetch_batch: bool,
     /// A streamed step whose router finds its experts is replayed whole from one graph, each
     /// block's read experts and combination waiting in their kernels for flags the copy stream or
     /// the host sets ([`CudaModel::step_flagged`]; `CHERENKOV_STEP_GRAPH=0`: the segment graphs,
@@ -627,26 +624,15 @@ fn cached_graph<K: PartialEq>(
 /// words to copy (high half; the low half, `seen`, zero), the flag's address, and the copy's source
 /// and destination. A front or back flag's relay copies its layer's entries (`stride` bytes) from
 /// the pinned `entries_host` to `entries` (the down launch reads its table before it waits for the
-/// gate/up launch, which copied the same words); the turn flags' copy nothing. With `skip_copied`
-/// a back flag's count carries its top bit: where the front's relay (32 bytes before) is seen,
-/// its copy is done and the back's first block skips its own (`flag_wait`), one round trip over
-/// the bus fewer between the backs' landing and the down projections.
-fn relay_rows(
-    layers: usize,
-    stride: usize,
-    flags: u64,
-    entries_host: u64,
-    entries: u64,
-    skip_copied: bool,
-) -> Vec<u64> {
+/// gate/up launch, which copied the same words); the turn flags' copy nothing.
+fn relay_rows(layers: usize, stride: usize, flags: u64, entries_host: u64, entries: u64) -> Vec<u64> {
     (0..layers * 4)
         .flat_map(|f| {
             let flag = flags + (f * 4) as u64;
             match (f / 4, f % 4) {
-                (layer, which @ (FLAG_FRONT | FLAG_BACK)) => {
+                (layer, FLAG_FRONT | FLAG_BACK) => {
                     let at = (layer * stride) as u64;
-                    let skip = if skip_copied && which == FLAG_BACK { 1u64 << 63 } else { 0 };
-                    [((stride / 8) as u64) << 32 | skip, flag, entries_host + at, entries + at]
+                    [((stride / 8) as u64) << 32, flag, entries_host + at, entries + at]
                 }
                 _ => [0, flag, 0, 0],
             }
@@ -728,11 +714,7 @@ impl MoeBufs {
         let entries = gpu.zeros(l * stride, what)?;
         let entries_host = gpu.pinned(l * stride, what)?;
         let relays = gpu.zeros(l * 4 * 32, what)?;
-        // `CHERENKOV_BACK_RELAY_COPIES=1`: a back flag's relay copies the entries again even where
-        // the front's did (a measurement knob; as before session 33).
-        let skip_copied = std::env::var("CHERENKOV_BACK_RELAY_COPIES").map_or(true, |v| v != "1");
-        let rows = relay_rows(l, stride, flags.dev, entries_host.dev, entries.ptr, skip_copied);
-        gpu.htod(relays.ptr, &rows)?;
+        gpu.htod(relays.ptr, &relay_rows(l, stride, flags.dev, entries_host.dev, entries.ptr))?;
         Ok(MoeBufs {
             ids: gpu.zeros(l * k * 4, what)?,
             weights: gpu.zeros(l * k * 4, what)?,
@@ -877,7 +859,6 @@ impl CudaModel {
                 Ok("2") => PrefetchHere::AfterTurn,
                 _ => PrefetchHere::BeforeTurn,
             },
-            prefetch_batch: std::env::var("CHERENKOV_PREFETCH_BATCH").map_or(true, |v| v != "0"),
             step_graph: std::env::var("CHERENKOV_STEP_GRAPH").map_or(true, |v| v != "0"),
             flag_graphs: Mutex::new(Vec::new()),
             joins_deferred: std::sync::atomic::AtomicBool::new(false),
@@ -1321,14 +1302,14 @@ impl CudaModel {
         let here = self.prefetch_here;
         self.queue_lookahead(mb, l, &experts, ahead_of, here != PrefetchHere::Threads)?;
         if here == PrefetchHere::BeforeTurn {
-            self.load_prefetches()?;
+            self.pool.load_prefetches();
         }
         marks[2] = since(Instant::now());
         mem.publish_landed()?;
         mb.set_flag(l, FLAG_TURN);
         marks[3] = since(Instant::now());
         if here == PrefetchHere::AfterTurn {
-            self.load_prefetches()?;
+            self.pool.load_prefetches();
         }
         if !self.ghosts_before_turn {
             self.pool.replay_ghosts();
@@ -3312,18 +3293,6 @@ impl CudaModel {
         Ok(())
     }
 
-    /// Runs the lookahead's reads the pool holds queued for this thread
-    /// ([`ExpertPool::load_prefetches`]), their copies queued as one batch where
-    /// `prefetch_batch` (`CHERENKOV_PREFETCH_BATCH=0`: one by one, as before session 33).
-    fn load_prefetches(&self) -> Result<()> {
-        let mem = self.pool.memory();
-        if self.prefetch_batch {
-            mem.begin_whole_batch();
-        }
-        self.pool.load_prefetches();
-        if self.prefetch_batch { mem.end_whole_batch() } else { Ok(()) }
-    }
-
     /// Queues the pool's reads of `experts` of MoE layer `layer`: woken IO threads run them, or
     /// (`unwoken`) this thread later ([`ExpertPool::load_prefetches`]).
     fn prefetch(&self, layer: usize, experts: &[usize], unwoken: bool) -> usize {
@@ -3442,25 +3411,17 @@ mod tests {
     fn a_front_or_back_flags_relay_copies_its_layers_entries_and_a_turn_flags_nothing() {
         let (flags, host, dev) = (0x1000u64, 0x2000_0000u64, 0x7000_0000u64);
         let stride = entries_stride(10);
-        for skip_copied in [false, true] {
-            let rows = relay_rows(3, stride, flags, host, dev, skip_copied);
-            assert_eq!(rows.len(), 3 * 4 * 4);
-            for (f, r) in rows.chunks(4).enumerate() {
-                let (layer, which) = (f / 4, f % 4);
-                assert_eq!(r[0] as u32, 0, "flag {f}: `seen` starts clear");
-                assert_eq!(r[1], flags + (f * 4) as u64, "flag {f}: its own word in the flags");
-                let (count, skip) = ((r[0] >> 32) & 0x7fff_ffff, r[0] >> 63 == 1);
-                if which == FLAG_FRONT || which == FLAG_BACK {
-                    assert_eq!(count, 15, "layer {layer}: 120 bytes of entries are 15 words");
-                    assert_eq!((r[2], r[3]), (host + (layer * 120) as u64, dev + (layer * 120) as u64));
-                    assert_eq!(skip, skip_copied && which == FLAG_BACK, "flag {f}");
-                    if skip {
-                        // The relay 32 bytes (four words) before copies the same words.
-                        assert_eq!(rows[(f - 1) * 4 + 2..(f - 1) * 4 + 4], r[2..4], "flag {f}");
-                    }
-                } else {
-                    assert_eq!((r[0] >> 32, r[2], r[3]), (0, 0, 0), "flag {f} copies nothing");
-                }
+        let rows = relay_rows(3, stride, flags, host, dev);
+        assert_eq!(rows.len(), 3 * 4 * 4);
+        for (f, r) in rows.chunks(4).enumerate() {
+            let (layer, which) = (f / 4, f % 4);
+            assert_eq!(r[0] as u32, 0, "flag {f}: `seen` starts clear");
+            assert_eq!(r[1], flags + (f * 4) as u64, "flag {f}: its own word in the flags");
+            if which == FLAG_FRONT || which == FLAG_BACK {
+                assert_eq!(r[0] >> 32, 15, "layer {layer}: 120 bytes of entries are 15 words");
+                assert_eq!((r[2], r[3]), (host + (layer * 120) as u64, dev + (layer * 120) as u64));
+            } else {
+                assert_eq!((r[0] >> 32, r[2], r[3]), (0, 0, 0), "flag {f} copies nothing");
             }
         }
     }

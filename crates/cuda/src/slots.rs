@@ -53,8 +53,7 @@ const BOUNCE_BYTES: usize = 256 << 10;
 
 thread_local! {
     /// Whether this thread is inside a step's batch of loads (`SlotMemory::begin_batch`): 0 no,
-    /// 1 yes and nothing copied yet, 2 yes and the first copy queued; 3 in a batch of whole
-    /// records ([`DeviceSlots::begin_whole_batch`]).
+    /// 1 yes and nothing copied yet, 2 yes and the first copy queued.
     static BATCHING: std::cell::Cell<u8> = const { std::cell::Cell::new(0) };
     /// When this thread's batch began (its host time goes to [`DeviceSlots::batch_ns`]).
     static BATCH_START: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
@@ -630,20 +629,6 @@ impl DeviceSlots {
         &self.gpu
     }
 
-    /// Holds the copies this thread's loads queue from the pinned file until
-    /// [`DeviceSlots::end_whole_batch`] queues them as one batch, each record whole (not split
-    /// into front and back, as a step's batch does): a flagged turn's lookahead reads, which one
-    /// by one would pay a gap on the link each.
-    pub fn begin_whole_batch(&self) {
-        BATCHING.set(3);
-    }
-
-    /// Ends [`DeviceSlots::begin_whole_batch`]: queues the held copies.
-    pub fn end_whole_batch(&self) -> Result<()> {
-        BATCHING.set(0);
-        self.queue_fronts()
-    }
-
     /// Whether loads from the pinned file return before their copy ends (see the module docs).
     pub fn copies_in_background(&self) -> bool {
         self.pinned.is_some()
@@ -835,7 +820,7 @@ impl DeviceSlots {
         // waiting would be queued only with a later step's batch, behind that step's own copies,
         // delaying both.
         let front = self.front_bytes.load(Ordering::Relaxed);
-        let split = front > 0 && front < src.len() && matches!(BATCHING.get(), 1 | 2);
+        let split = front > 0 && front < src.len() && BATCHING.get() != 0;
         // The front (or the whole record) waits in the list until the batch ends, or goes now.
         let head = if split { &src[..front] } else { src };
         c.front = Some(Part { src: head.as_ptr(), len: head.len(), dst: self.slot_ptr(slot) });
@@ -862,12 +847,12 @@ impl DeviceSlots {
                 BATCHING.set(2);
                 self.batch && self.hold_first
             }
-            2 | 3 => self.batch,
+            2 => self.batch,
             _ => false,
         };
         if !held {
             self.queue_fronts()?;
-            if matches!(BATCHING.get(), 1 | 2) && FIRST_COPY.get().is_none() {
+            if BATCHING.get() != 0 && FIRST_COPY.get().is_none() {
                 FIRST_COPY.set(Some(Instant::now()));
             }
         }

@@ -159,10 +159,7 @@ __device__ __forceinline__ void grid_enter() {
 // `seen`, which every other block polls in device memory. (Every block polling the host's word, each
 // read a round trip over PCIe, flooded the bus the expert copies use: session 31 measured a flagged
 // step ten times slower.) Blocks start in order of their index, so the first is running while any
-// other waits. Where the count's top bit is set, the relay 32 bytes before this one copies the same
-// words: once it is seen (the same step's earlier flag, a read experts' front before their back),
-// the words are in device memory already and the first block skips its second round trip over the
-// bus for them (acquiring that relay orders its copy before this one's `seen`).
+// other waits.
 __device__ __forceinline__ void flag_wait(const unsigned* relay) {
     if (!relay) return;
     unsigned v;
@@ -178,12 +175,7 @@ __device__ __forceinline__ void flag_wait(const unsigned* relay) {
                 }
             }
             __syncwarp();
-            unsigned words = relay[1] & 0x7fffffffu;
-            if (relay[1] >> 31) {
-                unsigned before;
-                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(before) : "l"(relay - 8) : "memory");
-                if (before) words = 0;
-            }
+            const unsigned words = relay[1];
             const unsigned long long* src = reinterpret_cast<const unsigned long long*>(r[2]);
             unsigned long long* dst = reinterpret_cast<unsigned long long*>(r[3]);
             for (unsigned i = threadIdx.x; i < words; i += 32) {
