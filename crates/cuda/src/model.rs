@@ -3275,9 +3275,11 @@ impl CudaModel {
             .iter()
             .map(|&i| i as usize)
             .collect();
-        // (The IO threads queue the reads, copies from a pinned expert file too: queued from this
-        // thread instead, the driver calls delayed the block's next launches, and a streamed layer
-        // took 0.240-0.265 ms against 0.218-0.219, measured.)
+        // Where a step's thread launches its blocks' kernels (the segments path) the IO threads
+        // queue the reads, copies from a pinned expert file too: queued from that thread, the
+        // driver calls delayed the block's next launches, and a streamed layer took 0.240-0.265 ms
+        // against 0.218-0.219, measured. A flagged turn launches nothing, and runs them itself
+        // (`unwoken`; `CudaModel::turn_flagged`).
         match self.lookahead_reads {
             Some(most) => {
                 let absent = self.pool.absent(nl, &guess);
