@@ -868,18 +868,28 @@ impl SlotMemory for ThreadGated {
     }
 }
 
-#[test]
-fn a_step_can_run_its_own_queued_reads() {
-    let f = fixture();
+/// A pool of 8 gated slots over `f`'s store whose one IO thread has taken a prefetch (expert 4 of
+/// `layer`) and blocks at the closed gate, where loads on any thread but this one wait: only this
+/// thread can read. Bind all three (the gate's opener last, so it drops before the pool, whose
+/// drop joins the thread).
+fn pool_with_its_thread_blocked(f: &Fixture, layer: usize) -> (ExpertPool<ThreadGated>, Arc<GatedSlots>, OpenOnDrop) {
     let gated = GatedSlots::new(8, f.store.record_bytes());
     let memory = Arc::new(ThreadGated { inner: gated.clone(), free: std::thread::current().id() });
     let pool = ExpertPool::new(Arc::clone(&f.store), memory, 1).unwrap();
-    let _open = OpenOnDrop(gated.clone());
-    // The one IO thread takes a prefetch and blocks at the gate.
-    assert_eq!(pool.prefetch(1, &[4]), 1);
+    let open = OpenOnDrop(gated.clone());
+    assert_eq!(pool.prefetch(layer, &[4]), 1);
     while gated.entered.load(Ordering::SeqCst) == 0 {
         std::thread::yield_now();
     }
+    (pool, gated, open)
+}
+
+#[test]
+fn a_step_can_run_its_own_queued_reads() {
+    let f = fixture();
+    // The one IO thread takes a prefetch of expert 4 of layer 1 and blocks at the gate: only this
+    // thread can read now.
+    let (pool, gated, _open) = pool_with_its_thread_blocked(&f, 1);
     // Two misses are queued with no thread free to read them; the step reads them itself.
     let lease = pool.acquire(0, &[2, 5]).unwrap();
     assert!(!lease.is_ready(0) && !lease.is_ready(1));
@@ -907,15 +917,9 @@ fn a_step_can_run_its_own_queued_reads() {
 #[test]
 fn a_caller_runs_the_prefetches_it_queued_without_waking_a_thread() {
     let f = fixture();
-    let gated = GatedSlots::new(8, f.store.record_bytes());
-    let memory = Arc::new(ThreadGated { inner: gated.clone(), free: std::thread::current().id() });
-    let pool = ExpertPool::new(Arc::clone(&f.store), memory, 1).unwrap();
-    let _open = OpenOnDrop(gated.clone());
-    // The one IO thread takes a prefetch and blocks at the gate: only this thread can read now.
-    assert_eq!(pool.prefetch(3, &[4]), 1);
-    while gated.entered.load(Ordering::SeqCst) == 0 {
-        std::thread::yield_now();
-    }
+    // The one IO thread takes a prefetch of expert 4 of layer 3 and blocks at the gate: only this
+    // thread can read now.
+    let (pool, gated, _open) = pool_with_its_thread_blocked(&f, 3);
     assert_eq!(pool.prefetch_unwoken(1, &[2, 5]), 2);
     // Already loading: not queued twice.
     assert_eq!(pool.prefetch_unwoken(1, &[5]), 0);
@@ -947,16 +951,9 @@ impl Drop for OpenOnDrop {
 #[test]
 fn acquire_loading_reads_the_misses_on_the_calling_thread() {
     let f = fixture();
-    let gated = GatedSlots::new(8, f.store.record_bytes());
-    // Loads on any other thread (the IO thread) block at the closed gate.
-    let memory = Arc::new(ThreadGated { inner: gated.clone(), free: std::thread::current().id() });
-    let pool = ExpertPool::new(Arc::clone(&f.store), memory, 1).unwrap();
-    let _open = OpenOnDrop(gated.clone());
-    // The one IO thread takes a prefetch and blocks at the gate: only this thread can read now.
-    assert_eq!(pool.prefetch(3, &[4]), 1);
-    while gated.entered.load(Ordering::SeqCst) == 0 {
-        std::thread::yield_now();
-    }
+    // The one IO thread takes a prefetch of expert 4 of layer 3 and blocks at the gate: only this
+    // thread can read now.
+    let (pool, gated, _open) = pool_with_its_thread_blocked(&f, 3);
     for (layer, experts) in [(0, vec![1, 3, 5]), (2, vec![0, 1])] {
         let lease = pool.acquire_loading(layer, &experts).unwrap();
         for (i, e) in lease.entries().iter().enumerate() {
