@@ -16,7 +16,12 @@
 //! - the same, each warp prefetching its rows of the next stage into L2 before the barrier;
 //! - `chain_pipe`: each warp streams its rows through a ring of `CHERENKOV_PROBE_NBUF` (default 4)
 //!   row buffers in shared memory with `cp.async`, requesting a stage's first rows before its
-//!   input is ready, per stage and persistent.
+//!   input is ready, per stage and persistent;
+//! - `chain_tma`: one thread a block streams the block's rows of every stage with bulk copies (the
+//!   tensor memory accelerator, `cp.async.bulk`) into a ring of `CHERENKOV_PROBE_TMA_SLOTS`
+//!   (default 4) slots of 16 rows, ahead of the 16 consumer warps and across their grid
+//!   barriers; per stage with PDL (the producer starts before the wait), persistent, and two
+//!   ceilings: without the grid barriers, and without the arithmetic.
 //!
 //! It prints microseconds per layer and the bytes' effective bandwidth for each, and marks a
 //! variant whose outputs differ from the per-stage launches'. Then the floor every variant
@@ -191,6 +196,223 @@ extern "C" __global__ void __launch_bounds__(512) chain_pipe(
         }
     }
 }
+
+// The same chain with the weights streamed by the tensor memory accelerator (`chain_tma`): one
+// producer thread a block requests each chunk of up to TMA_ROWS contiguous rows with one bulk copy
+// (`cp.async.bulk`) into a ring of TMA_SLOTS slots in shared memory, completing on the slot's
+// mbarrier; TMA_ROWS consumer warps (one row each) wait on that barrier, compute as `chain` does,
+// and release the slot. Weights do not depend on x, so the producer runs ahead across stages and
+// grid barriers, bounded only by the ring: bytes keep arriving while the consumers wait for a
+// stage's input. Blocks own contiguous row ranges of each stage (rows R b / G to R (b + 1) / G).
+// mode bit 0: grid barriers between stages (without them, the streaming ceiling: the outputs
+// then differ); bit 1: no arithmetic, the consumers only wait for each slot and release it (the
+// bulk copies' own rate); bit 2: integer arithmetic, x staged as 8-bit codes in the weights' byte
+// order and each 16 bytes of a row taken by four dp4a, so the products cost about what the
+// engine's 8-bit rows do rather than a conversion a byte. The codes are x 256, rounded and clamped:
+// at x 64 they all round to zero within the first layer (so every output compared equal), at 256
+// nearly all stay nonzero and none saturate through the 44 stages (a numpy emulation).
+// With PDL (one launch per stage) the producer starts before griddepcontrol.wait, the consumers
+// after it.
+#ifndef TMA_SLOTS
+#define TMA_SLOTS 4
+#endif
+#define TMA_ROWS 16
+// Two blocks a multiprocessor where two rings fit (the next launch's producer can then start while
+// the current launch runs), one otherwise.
+#define TMA_MIN_BLOCKS (TMA_SLOTS <= 2 ? 2 : 1)
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(unsigned long long* b, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_u32(b)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(unsigned long long* b, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_u32(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* b) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_u32(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred P1;\n"
+        "LAB_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+        "@P1 bra.uni DONE;\n"
+        "bra.uni LAB_WAIT;\n"
+        "DONE:\n"
+        "}\n" :: "r"(smem_u32(b)), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* b) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(b)) : "memory");
+}
+// Only the consumers' threads (named barrier 1): the producer warp never joins.
+__device__ __forceinline__ void consumers_sync() {
+    asm volatile("bar.sync 1, %0;" :: "n"(TMA_ROWS * 32) : "memory");
+}
+__device__ void consumers_grid_barrier(unsigned* count, volatile unsigned* gen, unsigned nblocks) {
+    consumers_sync();
+    if (threadIdx.x == 0) {
+        unsigned g = *gen;
+        __threadfence();
+        if (atomicAdd(count, 1u) == nblocks - 1) {
+            *count = 0;
+            __threadfence();
+            atomicAdd((unsigned*)gen, 1u);
+        } else {
+            while (*gen == g) { }
+        }
+        __threadfence();
+    }
+    consumers_sync();
+}
+
+extern "C" __global__ void __launch_bounds__(TMA_ROWS * 32 + 32, TMA_MIN_BLOCKS) chain_tma(
+    const signed char* __restrict__ w, const long long* __restrict__ off, const int* __restrict__ rows,
+    int first, int last, float* xs, int dim, unsigned* bar, int mode)
+{
+    extern __shared__ __align__(128) unsigned char tsm[];
+    const bool barriers = mode & 1, math = !(mode & 2), ints = mode & 4;
+    unsigned char* ring = tsm;
+    float* xsh = (float*)(tsm + TMA_SLOTS * TMA_ROWS * 2560);
+    unsigned long long* full = (unsigned long long*)(xsh + 2560);
+    unsigned long long* empty = full + TMA_SLOTS;
+    signed char* xq = (signed char*)xsh;  // the 8-bit codes of x (mode bit 2) reuse x's space
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const long long G = gridDim.x, b = blockIdx.x;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < TMA_SLOTS; i++) {
+            mbar_init(full + i, 1);
+            mbar_init(empty + i, TMA_ROWS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    asm volatile("griddepcontrol.launch_dependents;");
+    if (warp == TMA_ROWS) {
+        if (lane == 0) {
+            int k = 0;
+            for (int s = first; s <= last; s++) {
+                const int R = rows[s];
+                const int r0 = (int)(R * b / G), r1 = (int)(R * (b + 1) / G);
+                for (int r = r0; r < r1; r += TMA_ROWS, k++) {
+                    const int slot = k % TMA_SLOTS;
+                    const int n = min(TMA_ROWS, r1 - r);
+                    if (k >= TMA_SLOTS) mbar_wait(empty + slot, ((k / TMA_SLOTS) - 1) & 1);
+                    mbar_expect_tx(full + slot, n * 2560);
+                    bulk_copy(ring + slot * TMA_ROWS * 2560, w + off[s] + (long long)r * 2560, n * 2560, full + slot);
+                }
+            }
+        }
+        return;
+    }
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    int k = 0;
+    for (int s = first; s <= last; s++) {
+        const float* x = xs + (s & 1) * dim;
+        float* y = xs + ((s + 1) & 1) * dim;
+        if (ints) {
+            for (int i = threadIdx.x; i < 2560; i += TMA_ROWS * 32)
+                xq[i] = (signed char)max(-127, min(127, __float2int_rn(__ldcg(x + i) * 256.f)));
+        } else {
+            for (int i = threadIdx.x; i < 2560; i += TMA_ROWS * 32) xsh[(i & 15) * 160 + (i >> 4)] = __ldcg(x + i);
+        }
+        consumers_sync();
+        const int R = rows[s];
+        const int r0 = (int)(R * b / G), r1 = (int)(R * (b + 1) / G);
+        for (int r = r0; r < r1; r += TMA_ROWS, k++) {
+            const int slot = k % TMA_SLOTS;
+            mbar_wait(full + slot, (k / TMA_SLOTS) & 1);
+            if (math && ints && warp < r1 - r) {
+                const uint4* buf = (const uint4*)(ring + (slot * TMA_ROWS + warp) * 2560);
+                const uint4* xv = (const uint4*)xq;
+                int acc = 0;
+#pragma unroll
+                for (int j = 0; j < 5; j++) {
+                    const uint4 q = buf[lane + 32 * j], v = xv[lane + 32 * j];
+                    acc = __dp4a((int)q.x, (int)v.x, acc);
+                    acc = __dp4a((int)q.y, (int)v.y, acc);
+                    acc = __dp4a((int)q.z, (int)v.z, acc);
+                    acc = __dp4a((int)q.w, (int)v.w, acc);
+                }
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+                if (lane == 0) y[r + warp] = (float)acc * (1.f / 262144.f);
+            } else if (math && warp < r1 - r) {
+                const uint4* buf = (const uint4*)(ring + (slot * TMA_ROWS + warp) * 2560);
+                float acc = 0.f;
+#pragma unroll
+                for (int j = 0; j < 5; j++) {
+                    const uint4 q = buf[lane + 32 * j];
+                    const signed char* bq = (const signed char*)&q;
+                    const float* xv = xsh + lane + 32 * j;
+#pragma unroll
+                    for (int t = 0; t < 16; t++) acc += (float)bq[t] * xv[t * 160];
+                }
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+                if (lane == 0) y[r + warp] = acc * (1.f / 4096.f);
+            }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty + slot);
+        }
+        if (s < last && barriers) consumers_grid_barrier(bar, bar + 1, gridDim.x);
+        else consumers_sync();  // every warp is done with xsh before it is staged again
+    }
+}
+
+// `chain_tma`'s integer arithmetic (its mode bit 2) with register loads, as the engine's tiled
+// kernels load: a warp per row, each lane 5 x 16 bytes, the next row requested before this row's
+// products, and a warp's first row requested before the wait (the engine's EARLY) or, when
+// persistent, before the grid barrier. Same sums, so the same outputs as `chain_tma`'s.
+__device__ __forceinline__ void ld_row(const signed char* __restrict__ w, long long off, int r, int lane, uint4* q) {
+    const uint4* row = (const uint4*)(w + off) + (long long)r * 160;
+#pragma unroll
+    for (int j = 0; j < 5; j++) q[j] = __ldg(row + lane + 32 * j);
+}
+extern "C" __global__ void __launch_bounds__(512) chain_ints(
+    const signed char* __restrict__ w, const long long* __restrict__ off, const int* __restrict__ rows,
+    int first, int last, float* xs, int dim, unsigned* bar, int unused)
+{
+    extern __shared__ float xsh[];
+    signed char* xq = (signed char*)xsh;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const int gwarp = blockIdx.x * nwarps + warp, allwarps = gridDim.x * nwarps;
+    asm volatile("griddepcontrol.launch_dependents;");
+    uint4 q[5];
+    if (gwarp < rows[first]) ld_row(w, off[first], gwarp, lane, q);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    for (int s = first; s <= last; s++) {
+        const float* x = xs + (s & 1) * dim;
+        float* y = xs + ((s + 1) & 1) * dim;
+        for (int i = threadIdx.x; i < 2560; i += blockDim.x)
+            xq[i] = (signed char)max(-127, min(127, __float2int_rn(__ldcg(x + i) * 256.f)));
+        __syncthreads();
+        const int R = rows[s];
+        const uint4* xv = (const uint4*)xq;
+        for (int r = gwarp; r < R; r += allwarps) {
+            uint4 qn[5];
+            if (r + allwarps < R) ld_row(w, off[s], r + allwarps, lane, qn);
+            int acc = 0;
+#pragma unroll
+            for (int j = 0; j < 5; j++) {
+                const uint4 v = xv[lane + 32 * j];
+                acc = __dp4a((int)q[j].x, (int)v.x, acc);
+                acc = __dp4a((int)q[j].y, (int)v.y, acc);
+                acc = __dp4a((int)q[j].z, (int)v.z, acc);
+                acc = __dp4a((int)q[j].w, (int)v.w, acc);
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+            if (lane == 0) y[r] = (float)acc * (1.f / 262144.f);
+#pragma unroll
+            for (int j = 0; j < 5; j++) q[j] = qn[j];
+        }
+        if (s < last) {
+            if (gwarp < rows[s + 1]) ld_row(w, off[s + 1], gwarp, lane, q);
+            grid_barrier(bar, bar + 1, gridDim.x);
+        }
+    }
+}
 "#;
 
 /// One layer's stages (rows of 2560 bytes): the hyper-connection read, the GDN input projections,
@@ -203,12 +425,22 @@ fn nbuf() -> usize {
     std::env::var("CHERENKOV_PROBE_NBUF").ok().and_then(|v| v.parse().ok()).unwrap_or(4)
 }
 
+/// Slots of 16 rows in `chain_tma`'s ring (CHERENKOV_PROBE_TMA_SLOTS, default 4).
+fn tma_slots() -> usize {
+    std::env::var("CHERENKOV_PROBE_TMA_SLOTS").ok().and_then(|v| v.parse().ok()).unwrap_or(4)
+}
+
 fn ptx(arch: &'static str) -> String {
     // Rows each warp loads before computing (CHERENKOV_PROBE_ROWS, default 1).
     let rows = std::env::var("CHERENKOV_PROBE_ROWS").unwrap_or_else(|_| "1".into());
     let opts = cudarc::nvrtc::CompileOptions {
         arch: Some(arch),
-        options: vec!["--std=c++17".into(), format!("-DROWS={rows}"), format!("-DNBUF={}", nbuf())],
+        options: vec![
+            "--std=c++17".into(),
+            format!("-DROWS={rows}"),
+            format!("-DNBUF={}", nbuf()),
+            format!("-DTMA_SLOTS={}", tma_slots()),
+        ],
         ..Default::default()
     };
     cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).unwrap_or_else(|e| panic!("{e:?}")).to_src()
@@ -222,7 +454,8 @@ fn probe_kernel_compiles() {
         return;
     }
     let p = ptx("sm_90");
-    assert!(p.contains(".entry chain(") && p.contains(".entry chain_pipe("));
+    assert!(p.contains(".entry chain(") && p.contains(".entry chain_pipe(") && p.contains(".entry chain_tma("));
+    assert!(p.contains(".entry chain_ints("));
     assert!(p.contains(".entry barriers(") && p.contains(".entry empty_stage("));
 }
 
@@ -243,10 +476,10 @@ fn persistent_probe() {
     let cptx = CString::new(ptx(arch)).unwrap();
     gpu.bind().unwrap();
     // SAFETY: a NUL-terminated PTX image; the function names exist in it.
-    let (f, fp, fb, fe) = unsafe {
+    let (f, fp, ft, fi, fb, fe) = unsafe {
         let m = cu::module::load_data(cptx.as_ptr() as *const c_void).unwrap();
         let get = |name: &str| cu::module::get_function(m, CString::new(name).unwrap()).unwrap();
-        (get("chain"), get("chain_pipe"), get("barriers"), get("empty_stage"))
+        (get("chain"), get("chain_pipe"), get("chain_tma"), get("chain_ints"), get("barriers"), get("empty_stage"))
     };
     let w = gpu.alloc(total as usize, "weights").unwrap();
     // Random-ish bytes (the values do not matter, the bytes do).
@@ -385,6 +618,117 @@ fn persistent_probe() {
             (0..n).for_each(|s| pipe(true, grid, s, s))
         });
         measure(format!("ring: persistent, grid {grid}"), &|| pipe(false, grid, 0, n - 1));
+    }
+    // The TMA ring: TMA_SLOTS slots of 16 rows, x, and two mbarriers a slot; 16 consumer warps
+    // and one producer warp a block.
+    let tma_threads = 16 * 32 + 32;
+    let shmem_tma = (tma_slots() * 16 * 2560 + 2560 * 4 + tma_slots() * 16) as u32;
+    let mut per_sm_tma = 0i32;
+    // SAFETY: ft is a loaded kernel; the limit is within Hopper's 227 KiB per block.
+    unsafe {
+        sys::cuFuncSetAttribute(
+            ft,
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            shmem_tma as i32,
+        )
+        .result()
+        .unwrap();
+        sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut per_sm_tma, ft, tma_threads as i32, shmem_tma as usize)
+            .result()
+            .unwrap();
+    }
+    println!(
+        "# TMA ring of {} slots of 16 rows: {shmem_tma} bytes of shared memory, {per_sm_tma} blocks of {tma_threads} per SM fit",
+        tma_slots()
+    );
+    let tma = |pdl: bool, grid: u32, first: i32, last: i32, mode: i32| {
+        let args = [
+            Arg::Ptr(w.ptr),
+            Arg::Ptr(offs.ptr),
+            Arg::Ptr(rws.ptr),
+            Arg::I32(first),
+            Arg::I32(last),
+            Arg::Ptr(xs.ptr),
+            Arg::I32(dim as i32),
+            Arg::Ptr(bar.ptr),
+            Arg::I32(mode),
+        ];
+        // SAFETY: the arguments match `chain_tma`'s parameters; the grid is co-resident when
+        // persistent (at most the blocks per SM that fit).
+        unsafe { gpu.launch_function(ft, "chain_tma", (grid, 1, 1), tma_threads, shmem_tma, &args, pdl) }.unwrap();
+    };
+    // The integer arithmetic (mode bit 2) against its own outputs from one launch per stage.
+    let want_ints = outputs(&|| (0..n).for_each(|s| tma(false, sms as u32, s, s, 5)));
+    // A comparison of outputs says something only if they are not all zero.
+    for (what, v) in [("float", &want), ("dp4a", &want_ints)] {
+        let nonzero = v.iter().filter(|&&b| f32::from_bits(b) != 0.0).count();
+        println!("# the {what} chain's reference outputs: {nonzero} of {} nonzero", v.len());
+    }
+    let measure_ints = |what: String, run: &dyn Fn()| {
+        let same = outputs(run) == want_ints;
+        report(&format!("{what}{}", if same { "" } else { " [OUTPUTS DIFFER]" }), time(run));
+    };
+    // The same sums with register loads (`chain_ints`, 512 threads, x's codes in shared memory).
+    let mut per_sm_ints = 0i32;
+    // SAFETY: fi is a loaded kernel.
+    unsafe {
+        sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut per_sm_ints, fi, threads as i32, 2560).result().unwrap();
+    }
+    println!("# register loads with dp4a: {per_sm_ints} blocks of {threads} per SM fit");
+    for resident in 1..=per_sm_ints.min(2) {
+        let grid = (sms * resident) as u32;
+        let graph = gpu
+            .capture(|| {
+                (0..n).for_each(|s| launch_kernel(fi, 2560, true, grid, s, s, 0));
+                Ok(())
+            })
+            .unwrap();
+        measure_ints(format!("registers, dp4a: one launch per stage with PDL, in a CUDA graph, grid {grid}"), &|| {
+            gpu.replay(&graph).unwrap()
+        });
+        measure_ints(format!("registers, dp4a: persistent, grid {grid}"), &|| {
+            launch_kernel(fi, 2560, false, grid, 0, n - 1, 0)
+        });
+    }
+    for resident in 1..=per_sm_tma.min(2) {
+        let grid = (sms * resident) as u32;
+        for (mode, what) in [(5, "dp4a"), (7, "no arithmetic")] {
+            let graph = gpu
+                .capture(|| {
+                    (0..n).for_each(|s| tma(true, grid, s, s, mode));
+                    Ok(())
+                })
+                .unwrap();
+            measure_ints(format!("tma, {what}: one launch per stage with PDL, in a CUDA graph, grid {grid}"), &|| {
+                gpu.replay(&graph).unwrap()
+            });
+        }
+        measure_ints(format!("tma, dp4a: persistent, grid {grid}"), &|| tma(false, grid, 0, n - 1, 5));
+        measure_ints(format!("tma, dp4a: persistent, no grid barriers (the ceiling), grid {grid}"), &|| {
+            tma(false, grid, 0, n - 1, 4)
+        });
+        measure(format!("tma: one launch per stage with PDL, grid {grid}"), &|| {
+            (0..n).for_each(|s| tma(true, grid, s, s, 1))
+        });
+        let graph = gpu
+            .capture(|| {
+                (0..n).for_each(|s| tma(true, grid, s, s, 1));
+                Ok(())
+            })
+            .unwrap();
+        measure(format!("tma: one launch per stage with PDL, in a CUDA graph, grid {grid}"), &|| {
+            gpu.replay(&graph).unwrap()
+        });
+        measure(format!("tma: persistent, grid {grid}"), &|| tma(false, grid, 0, n - 1, 1));
+        measure(format!("tma: persistent, no grid barriers (the streaming ceiling), grid {grid}"), &|| {
+            tma(false, grid, 0, n - 1, 0)
+        });
+        measure(format!("tma: persistent, no grid barriers, no arithmetic (the copies alone), grid {grid}"), &|| {
+            tma(false, grid, 0, n - 1, 2)
+        });
+        measure(format!("tma: persistent, grid barriers, no arithmetic, grid {grid}"), &|| {
+            tma(false, grid, 0, n - 1, 3)
+        });
     }
     let big = (rows.iter().map(|&r| r as u32).max().unwrap() * 32).div_ceil(threads);
     measure(format!("one launch per stage, grid {big} (a warp per row)"), &|| {
