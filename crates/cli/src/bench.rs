@@ -1,6 +1,7 @@
 //! `cherenkov bench`: decode speed on a synthetic model of the released shape, on the GPU.
 //!
-//! One run measures: the device and pinned host-to-device bandwidths; decode with every expert
+//! One run measures: the device and pinned host-to-device bandwidths (the latter also from the
+//! pinned expert file; the PCIe bounds take the higher); decode with every expert
 //! resident (at this depth and half of it); decode with the expert cache a 21 GB budget would
 //! leave the full model (copied from the pinned expert file, read by the CPU from the page cache,
 //! then from a cold cache; and with some misses computed on the CPU, `--cpu-experts`, pinned and
@@ -294,9 +295,25 @@ fn per_token_part(deep_ms: f64, deep: usize, shallow_ms: f64, shallow: usize) ->
     (deep_ms - deep as f64 * per_layer).max(0.0)
 }
 
+/// The header's words on the link: the pinned host-to-device rates measured from a fresh pinned
+/// buffer and (`file`, 0 where no case pinned it) from the pinned expert file, in bytes/s, and
+/// which one the PCIe bounds use (the higher).
+fn link_rates(buffer: f64, file: f64) -> String {
+    if file > 0.0 {
+        format!(
+            "pinned host-to-device {:.1} GB/s from a pinned buffer and {:.1} from the pinned expert file (measured; the PCIe bounds use the higher)",
+            buffer / 1e9,
+            file / 1e9
+        )
+    } else {
+        format!("pinned host-to-device {:.1} GB/s (measured)", buffer / 1e9)
+    }
+}
+
 /// A streamed case's share of the bound PCIe sets (the bound in tok/s after it): the time to move
 /// the bytes its steps used over the link at the measured pinned host-to-device rate
-/// (`host_to_device`, bytes/s), or the roofline (tok/s) where that is lower. Reads of prefetched
+/// (`host_to_device`, bytes/s: the higher of a pinned buffer's and the pinned expert file's), or
+/// the roofline (tok/s) where that is lower. Reads of prefetched
 /// records evicted before any step used them are left out: wasted reads make the link busier
 /// without serving a token.
 fn pcie_share(k: &Case, roofline: f64, host_to_device: f64) -> (f64, f64) {
@@ -401,6 +418,14 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     let tok = Tokenizer::from_dir(&store.dir)?;
     let prompt = prompt_tokens(&store.dir, &tok, None, "Explain hash collisions.", false)?;
     let experts_file = store.dir.join(&store.manifest.experts.file);
+    // The link's rate for copies from the pinned expert file (bytes/s; 0 until a case pins it).
+    // Its pages lie wherever the page cache put them, and a host's memory nodes can differ in
+    // their path to the GPU: one H200 host measured 52.5 GB/s from a fresh pinned buffer while
+    // the pinned cases ran as fast as on hosts that measured 55.5 (benchmark/notes-cuda.md,
+    // "Session 34"). The PCIe bounds take the higher of the two rates, so a slow buffer cannot
+    // flatter a share.
+    let file_bw = std::cell::Cell::new(0.0f64);
+    let link = || bw.host_to_device.max(file_bw.get());
     let run_case = |name: &str, spec: Spec| -> Result<Case> {
         let Spec { slots, cold, graphs, cut, lookahead, pin, depth, cpu, anatomy } = spec;
         if cold {
@@ -410,7 +435,11 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         // The copies are timed on the GPU where the blocks are (the anatomy reads their windows).
         memory.set_copy_timing(anatomy);
         if pin {
-            memory.set_pinned(PinnedExperts::pin(gpu.clone(), &store, &|_| {})?);
+            let pinned = PinnedExperts::pin(gpu.clone(), &store, &|_| {})?;
+            if file_bw.get() == 0.0 {
+                file_bw.set(pinned.measure_copy(1 << 30)?);
+            }
+            memory.set_pinned(pinned);
         }
         let memory = Arc::new(memory);
         let pool = Arc::new(ExpertPool::new(store.clone(), memory.clone(), args.io_threads)?);
@@ -502,7 +531,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     let (_, dense_read) = dense_bytes(&c, store.manifest.mtp_layers);
     let resident_bytes = dense_read as f64 + (c.num_hidden_layers * c.num_experts_per_tok) as f64 * record as f64;
     let roofline = bw.device / resident_bytes;
-    let pcie = |k: &Case| pcie_share(k, roofline, bw.host_to_device);
+    let pcie = |k: &Case| pcie_share(k, roofline, link());
     // The same at the released depth (the 48-layer figures' bounds).
     let (_, dense_read_full) = dense_bytes(&full, 1);
     let roofline_full = bw.device
@@ -544,7 +573,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             Some(per_token_part(1e3 / cases[0].tok_s, layers, 1e3 / half.tok_s, half.depth))
         };
         let mut md = format!(
-            "# Decode benchmark (quick), {}\n\nCommand: `cherenkov bench --quick --layers {} --tokens {} --gpu-memory {} --synthetic-routing {}`  \nGPU: {}; device copy {:.0} GB/s, pinned host-to-device {:.1} GB/s (measured).\n\n",
+            "# Decode benchmark (quick), {}\n\nCommand: `cherenkov bench --quick --layers {} --tokens {} --gpu-memory {} --synthetic-routing {}`  \nGPU: {}; device copy {:.0} GB/s, {}.\n\n",
             today(),
             args.layers,
             args.tokens,
@@ -552,7 +581,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             args.synthetic_routing,
             gpu.info.name,
             bw.device / 1e9,
-            bw.host_to_device / 1e9
+            link_rates(bw.host_to_device, file_bw.get())
         );
         md.push_str("| case | tok/s | 48-layer tok/s | hit rate | lookahead accuracy | read per token (unused prefetches) | dense ms/tok | experts ms/tok | waiting ms/tok | vs PCIe bound |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
         for k in &cases {
@@ -642,7 +671,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         if i < 2 {
             (per_layer(k) / roofline_full, roofline_full)
         } else {
-            pcie_share_at(k, 48, roofline_full, bw.host_to_device, per_layer(k))
+            pcie_share_at(k, 48, roofline_full, link(), per_layer(k))
         }
     };
 
@@ -701,10 +730,10 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         args.layers, args.experts, args.tokens, args.gpu_memory, args.synthetic_routing
     ));
     md.push_str(&format!(
-        "GPU: {}; device copy {:.0} GB/s, pinned host-to-device {:.1} GB/s (measured).  \n",
+        "GPU: {}; device copy {:.0} GB/s, {}.  \n",
         gpu.info.name,
         bw.device / 1e9,
-        bw.host_to_device / 1e9
+        link_rates(bw.host_to_device, file_bw.get())
     ));
     md.push_str(&format!(
         "Model: synthetic, released shape (hidden 2560, {} experts top-10 of width 640, 4 streams, QSA, PLE) at {} layers, random weights, routers skewed with {} (consecutive-token expert share measured below).  \n",
@@ -878,7 +907,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
                         "bytes_per_token": k.bytes_per_token, "unused_prefetch_bytes_per_token": k.wasted_per_token, "dense_ms": k.dense_ms, "experts_ms": k.experts_ms, "wait_ms": k.wait_ms, "queue_ms": k.queue_ms, "cut_per_token": k.cut_per_token,
                         "cpu_experts_per_token": k.cpu_per_token, "cpu_wait_ms": k.cpu_wait_ms, "cpu_expert_ns": k.cpu_rates.map(|r| r.1), "lone_copy_ns": k.cpu_rates.map(|r| r.0)}))
         .collect();
-    let j = json!({"date": date, "gpu": gpu.info.name, "device_bw": bw.device, "h2d_bw": bw.host_to_device, "layers": c.num_hidden_layers,
+    let j = json!({"date": date, "gpu": gpu.info.name, "device_bw": bw.device, "h2d_bw": bw.host_to_device, "h2d_bw_expert_file": file_bw.get(), "h2d_bw_bound": link(), "layers": c.num_hidden_layers,
                    "experts": c.num_experts, "skew": skew, "roofline_tok_s": roofline, "roofline_48_layers_tok_s": roofline_full, "per_token_ms": per_token_ms, "cases": cases_json,
                    "resident_runs_tok_s": {"layers": layers, "full": full_rates, "half": half_rates},
                    "policies": policies.iter().map(|(n, h)| json!({"policy": n, "hit_rate": h})).collect::<Vec<_>>(), "policy_uncounted_steps": cases[2].warm_steps, "peer": peer});

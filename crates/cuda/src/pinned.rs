@@ -116,6 +116,39 @@ impl PinnedExperts {
         self.chunks.iter().map(|c| c.1 as u64).sum()
     }
 
+    /// The link's rate for copies from these pinned pages, in bytes/s: about `bytes` in slices
+    /// from up to 8 registered ranges spread through the file (so pages count wherever the page
+    /// cache put them, on whichever memory node), copied to the device back to back on the
+    /// compute stream; the median of 5 rounds after an untimed one. Where the host's memory nodes
+    /// differ in their path to the GPU this can differ from [`crate::gpu::measure_bandwidth`]'s
+    /// rate, which copies from one fresh pinned buffer.
+    pub fn measure_copy(&self, bytes: usize) -> Result<f64> {
+        let n = self.chunks.len().min(8);
+        let smallest = self.chunks.iter().map(|c| c.1).min().unwrap_or(0);
+        let slice = (bytes / n.max(1)).min(smallest) & !0xFFF;
+        if n == 0 || slice == 0 {
+            bail!("nothing of the expert file is pinned, so its copy rate cannot be measured");
+        }
+        let starts: Vec<usize> = (0..n).map(|i| self.chunks[i * self.chunks.len() / n].0).collect();
+        let dst = self.gpu.alloc(slice, "the pinned expert file's copy test")?;
+        self.gpu.bind()?;
+        let round = || -> Result<f64> {
+            let t = std::time::Instant::now();
+            for &s in &starts {
+                // SAFETY: `s..s + slice` lies in a registered range of the live map (slice is at
+                // most the smallest range); dst holds `slice` bytes; the copy is waited for below.
+                unsafe { cudarc::driver::result::memcpy_htod_async(dst.ptr, &self.map[s..s + slice], self.gpu.stream) }
+                    .map_err(|e| anyhow!("a copy from the pinned expert file failed: {e}"))?;
+            }
+            self.gpu.sync()?;
+            Ok(t.elapsed().as_secs_f64())
+        };
+        round()?;
+        let mut times = (0..5).map(|_| round()).collect::<Result<Vec<f64>>>()?;
+        times.sort_by(f64::total_cmp);
+        Ok((slice * n) as f64 / times[times.len() / 2])
+    }
+
     /// The pinned bytes of the record at `offset` of store `dir`'s expert file, if pinned whole.
     pub fn record(&self, dir: &Path, offset: u64, bytes: usize) -> Option<&[u8]> {
         if dir != self.dir {
