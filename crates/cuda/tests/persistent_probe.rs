@@ -46,21 +46,49 @@ extern "C" __global__ void empty_stage() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 
+// One block's arrival at a software grid barrier (one thread of the block calls it): the last
+// block to arrive resets the count and opens the next generation; the others wait for it.
+__device__ void grid_arrive(unsigned* count, volatile unsigned* gen, unsigned nblocks) {
+    unsigned g = *gen;
+    __threadfence();
+    if (atomicAdd(count, 1u) == nblocks - 1) {
+        *count = 0;
+        __threadfence();
+        atomicAdd((unsigned*)gen, 1u);
+    } else {
+        while (*gen == g) { }
+    }
+    __threadfence();
+}
+
 extern "C" __device__ void grid_barrier(unsigned* count, volatile unsigned* gen, unsigned nblocks) {
     __syncthreads();
-    if (threadIdx.x == 0) {
-        unsigned g = *gen;
-        __threadfence();
-        if (atomicAdd(count, 1u) == nblocks - 1) {
-            *count = 0;
-            __threadfence();
-            atomicAdd((unsigned*)gen, 1u);
-        } else {
-            while (*gen == g) { }
-        }
-        __threadfence();
-    }
+    if (threadIdx.x == 0) grid_arrive(count, gen, nblocks);
     __syncthreads();
+}
+
+// A lane's 16 codes of a row times their 16 inputs of x staged transposed (xv[t * 160]), added to
+// acc in order.
+__device__ __forceinline__ float dot16(uint4 q, const float* xv, float acc) {
+    const signed char* b = (const signed char*)&q;
+#pragma unroll
+    for (int t = 0; t < 16; t++) acc += (float)b[t] * xv[t * 160];
+    return acc;
+}
+
+// The same with x's 8-bit codes in the weights' byte order: four dp4a.
+__device__ __forceinline__ int dot16_codes(uint4 q, uint4 v, int acc) {
+    acc = __dp4a((int)q.x, (int)v.x, acc);
+    acc = __dp4a((int)q.y, (int)v.y, acc);
+    acc = __dp4a((int)q.z, (int)v.z, acc);
+    return __dp4a((int)q.w, (int)v.w, acc);
+}
+
+// The sum over a warp's lanes (every lane gets it).
+template <class T> __device__ __forceinline__ T warp_total(T v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
 }
 
 extern "C" __global__ void __launch_bounds__(512) barriers(unsigned* bar, int n) {
@@ -101,14 +129,8 @@ extern "C" __global__ void __launch_bounds__(512) chain(
             for (int k = 0; k < ROWS; k++) {
                 float acc = 0.f;
 #pragma unroll
-                for (int j = 0; j < 5; j++) {
-                    const signed char* b = (const signed char*)&q[k][j];
-                    const float* xv = xsh + lane + 32 * j;
-#pragma unroll
-                    for (int t = 0; t < 16; t++) acc += (float)b[t] * xv[t * 160];
-                }
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+                for (int j = 0; j < 5; j++) acc = dot16(q[k][j], xsh + lane + 32 * j, acc);
+                acc = warp_total(acc);
                 if (lane == 0 && r0 + k < R) y[r0 + k] = acc * (1.f / 4096.f);
             }
         }
@@ -176,15 +198,8 @@ extern "C" __global__ void __launch_bounds__(512) chain_pipe(
             const uint4* buf = (const uint4*)(ring + (i % NBUF) * 2560);
             float acc = 0.f;
 #pragma unroll
-            for (int j = 0; j < 5; j++) {
-                const uint4 q = buf[lane + 32 * j];
-                const signed char* b = (const signed char*)&q;
-                const float* xv = xsh + lane + 32 * j;
-#pragma unroll
-                for (int t = 0; t < 16; t++) acc += (float)b[t] * xv[t * 160];
-            }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+            for (int j = 0; j < 5; j++) acc = dot16(buf[lane + 32 * j], xsh + lane + 32 * j, acc);
+            acc = warp_total(acc);
             if (lane == 0) y[gwarp + i * allwarps] = acc * (1.f / 4096.f);
             __syncwarp();  // the slot is reused NBUF - 1 rows later
         }
@@ -251,18 +266,7 @@ __device__ __forceinline__ void consumers_sync() {
 }
 __device__ void consumers_grid_barrier(unsigned* count, volatile unsigned* gen, unsigned nblocks) {
     consumers_sync();
-    if (threadIdx.x == 0) {
-        unsigned g = *gen;
-        __threadfence();
-        if (atomicAdd(count, 1u) == nblocks - 1) {
-            *count = 0;
-            __threadfence();
-            atomicAdd((unsigned*)gen, 1u);
-        } else {
-            while (*gen == g) { }
-        }
-        __threadfence();
-    }
+    if (threadIdx.x == 0) grid_arrive(count, gen, nblocks);
     consumers_sync();
 }
 
@@ -327,29 +331,15 @@ extern "C" __global__ void __launch_bounds__(TMA_ROWS * 32 + 32, TMA_MIN_BLOCKS)
                 const uint4* xv = (const uint4*)xq;
                 int acc = 0;
 #pragma unroll
-                for (int j = 0; j < 5; j++) {
-                    const uint4 q = buf[lane + 32 * j], v = xv[lane + 32 * j];
-                    acc = __dp4a((int)q.x, (int)v.x, acc);
-                    acc = __dp4a((int)q.y, (int)v.y, acc);
-                    acc = __dp4a((int)q.z, (int)v.z, acc);
-                    acc = __dp4a((int)q.w, (int)v.w, acc);
-                }
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+                for (int j = 0; j < 5; j++) acc = dot16_codes(buf[lane + 32 * j], xv[lane + 32 * j], acc);
+                acc = warp_total(acc);
                 if (lane == 0) y[r + warp] = (float)acc * (1.f / 262144.f);
             } else if (math && warp < r1 - r) {
                 const uint4* buf = (const uint4*)(ring + (slot * TMA_ROWS + warp) * 2560);
                 float acc = 0.f;
 #pragma unroll
-                for (int j = 0; j < 5; j++) {
-                    const uint4 q = buf[lane + 32 * j];
-                    const signed char* bq = (const signed char*)&q;
-                    const float* xv = xsh + lane + 32 * j;
-#pragma unroll
-                    for (int t = 0; t < 16; t++) acc += (float)bq[t] * xv[t * 160];
-                }
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+                for (int j = 0; j < 5; j++) acc = dot16(buf[lane + 32 * j], xsh + lane + 32 * j, acc);
+                acc = warp_total(acc);
                 if (lane == 0) y[r + warp] = acc * (1.f / 4096.f);
             }
             __syncwarp();
@@ -394,15 +384,8 @@ extern "C" __global__ void __launch_bounds__(512) chain_ints(
             if (r + allwarps < R) ld_row(w, off[s], r + allwarps, lane, qn);
             int acc = 0;
 #pragma unroll
-            for (int j = 0; j < 5; j++) {
-                const uint4 v = xv[lane + 32 * j];
-                acc = __dp4a((int)q[j].x, (int)v.x, acc);
-                acc = __dp4a((int)q[j].y, (int)v.y, acc);
-                acc = __dp4a((int)q[j].z, (int)v.z, acc);
-                acc = __dp4a((int)q[j].w, (int)v.w, acc);
-            }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+            for (int j = 0; j < 5; j++) acc = dot16_codes(q[j], xv[lane + 32 * j], acc);
+            acc = warp_total(acc);
             if (lane == 0) y[r] = (float)acc * (1.f / 262144.f);
 #pragma unroll
             for (int j = 0; j < 5; j++) q[j] = qn[j];
@@ -514,21 +497,29 @@ fn persistent_probe() {
         LAYER.len(),
         total as f64 / layers as f64 / 1e6
     );
+    // Every kernel of the chain takes the same parameters; its last is `chain`'s prefetch flag,
+    // `chain_tma`'s mode (unused by `chain_pipe` and `chain_ints`). Blocks of 512 threads but for
+    // `chain_tma`'s.
+    let launch_sized =
+        |k: sys::CUfunction, block: u32, smem: u32, pdl: bool, grid: u32, first: i32, last: i32, prefetch: i32| {
+            let args = [
+                Arg::Ptr(w.ptr),
+                Arg::Ptr(offs.ptr),
+                Arg::Ptr(rws.ptr),
+                Arg::I32(first),
+                Arg::I32(last),
+                Arg::Ptr(xs.ptr),
+                Arg::I32(dim as i32),
+                Arg::Ptr(bar.ptr),
+                Arg::I32(prefetch),
+            ];
+            // SAFETY: the arguments match the chain kernels' parameters; each waits for its
+            // predecessor before it reads x; the grid is co-resident when persistent (at most the
+            // blocks per SM that fit).
+            unsafe { gpu.launch_function(k, "a chain kernel", (grid, 1, 1), block, smem, &args, pdl) }.unwrap();
+        };
     let launch_kernel = |k: sys::CUfunction, smem: u32, pdl: bool, grid: u32, first: i32, last: i32, prefetch: i32| {
-        let args = [
-            Arg::Ptr(w.ptr),
-            Arg::Ptr(offs.ptr),
-            Arg::Ptr(rws.ptr),
-            Arg::I32(first),
-            Arg::I32(last),
-            Arg::Ptr(xs.ptr),
-            Arg::I32(dim as i32),
-            Arg::Ptr(bar.ptr),
-            Arg::I32(prefetch),
-        ];
-        // SAFETY: the arguments match `chain`'s parameters, which waits for its predecessor at its
-        // start; the grid is co-resident when persistent (at most the blocks per SM that fit).
-        unsafe { gpu.launch_function(k, "chain", (grid, 1, 1), threads, smem, &args, pdl) }.unwrap();
+        launch_sized(k, threads, smem, pdl, grid, first, last, prefetch)
     };
     let launch_with = |pdl: bool, grid: u32, first: i32, last: i32, prefetch: i32| {
         launch_kernel(f, shmem, pdl, grid, first, last, prefetch)
@@ -592,20 +583,26 @@ fn persistent_probe() {
     }
     // The cp.async ring: x plus NBUF row buffers per warp in shared memory.
     let shmem_pipe = (2560 * 4 + (threads as usize / 32) * nbuf() * 2560) as u32;
-    let mut per_sm_pipe = 0i32;
-    // SAFETY: fp is a loaded kernel; the limit is within Hopper's 227 KiB per block.
-    unsafe {
-        sys::cuFuncSetAttribute(
-            fp,
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            shmem_pipe as i32,
-        )
-        .result()
-        .unwrap();
-        sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut per_sm_pipe, fp, threads as i32, shmem_pipe as usize)
+    // A kernel's dynamic shared memory allowed up to `smem` bytes, and the blocks of `threads` that
+    // then fit on a multiprocessor.
+    let fit = |k: sys::CUfunction, threads: u32, smem: u32| -> i32 {
+        let mut per_sm = 0i32;
+        // SAFETY: k is a loaded kernel; the limits asked are within Hopper's 227 KiB per block.
+        unsafe {
+            sys::cuFuncSetAttribute(
+                k,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
             .result()
             .unwrap();
-    }
+            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut per_sm, k, threads as i32, smem as usize)
+                .result()
+                .unwrap();
+        }
+        per_sm
+    };
+    let per_sm_pipe = fit(fp, threads, shmem_pipe);
     println!(
         "# cp.async ring of {} rows per warp: {shmem_pipe} bytes of shared memory, {per_sm_pipe} blocks per SM fit",
         nbuf()
@@ -623,39 +620,13 @@ fn persistent_probe() {
     // and one producer warp a block.
     let tma_threads = 16 * 32 + 32;
     let shmem_tma = (tma_slots() * 16 * 2560 + 2560 * 4 + tma_slots() * 16) as u32;
-    let mut per_sm_tma = 0i32;
-    // SAFETY: ft is a loaded kernel; the limit is within Hopper's 227 KiB per block.
-    unsafe {
-        sys::cuFuncSetAttribute(
-            ft,
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            shmem_tma as i32,
-        )
-        .result()
-        .unwrap();
-        sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut per_sm_tma, ft, tma_threads as i32, shmem_tma as usize)
-            .result()
-            .unwrap();
-    }
+    let per_sm_tma = fit(ft, tma_threads, shmem_tma);
     println!(
         "# TMA ring of {} slots of 16 rows: {shmem_tma} bytes of shared memory, {per_sm_tma} blocks of {tma_threads} per SM fit",
         tma_slots()
     );
     let tma = |pdl: bool, grid: u32, first: i32, last: i32, mode: i32| {
-        let args = [
-            Arg::Ptr(w.ptr),
-            Arg::Ptr(offs.ptr),
-            Arg::Ptr(rws.ptr),
-            Arg::I32(first),
-            Arg::I32(last),
-            Arg::Ptr(xs.ptr),
-            Arg::I32(dim as i32),
-            Arg::Ptr(bar.ptr),
-            Arg::I32(mode),
-        ];
-        // SAFETY: the arguments match `chain_tma`'s parameters; the grid is co-resident when
-        // persistent (at most the blocks per SM that fit).
-        unsafe { gpu.launch_function(ft, "chain_tma", (grid, 1, 1), tma_threads, shmem_tma, &args, pdl) }.unwrap();
+        launch_sized(ft, tma_threads, shmem_tma, pdl, grid, first, last, mode)
     };
     // The integer arithmetic (mode bit 2) against its own outputs from one launch per stage.
     let want_ints = outputs(&|| (0..n).for_each(|s| tma(false, sms as u32, s, s, 5)));
@@ -669,11 +640,7 @@ fn persistent_probe() {
         report(&format!("{what}{}", if same { "" } else { " [OUTPUTS DIFFER]" }), time(run));
     };
     // The same sums with register loads (`chain_ints`, 512 threads, x's codes in shared memory).
-    let mut per_sm_ints = 0i32;
-    // SAFETY: fi is a loaded kernel.
-    unsafe {
-        sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut per_sm_ints, fi, threads as i32, 2560).result().unwrap();
-    }
+    let per_sm_ints = fit(fi, threads, 2560);
     println!("# register loads with dp4a: {per_sm_ints} blocks of {threads} per SM fit");
     for resident in 1..=per_sm_ints.min(2) {
         let grid = (sms * resident) as u32;
