@@ -295,6 +295,13 @@ fn per_token_part(deep_ms: f64, deep: usize, shallow_ms: f64, shallow: usize) ->
     (deep_ms - deep as f64 * per_layer).max(0.0)
 }
 
+/// The link rate the PCIe bounds use (bytes/s): the higher of a fresh pinned buffer's and (`file`,
+/// 0 where no case pinned it) the pinned expert file's, so that one low reading of either cannot
+/// make a share look better than the link allows.
+fn link_rate(buffer: f64, file: f64) -> f64 {
+    buffer.max(file)
+}
+
 /// The header's words on the link: the pinned host-to-device rates measured from a fresh pinned
 /// buffer and (`file`, 0 where no case pinned it) from the pinned expert file, in bytes/s, and
 /// which one the PCIe bounds use (the higher).
@@ -425,7 +432,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     // "Session 34"). The PCIe bounds take the higher of the two rates, so a slow buffer cannot
     // flatter a share.
     let file_bw = std::cell::Cell::new(0.0f64);
-    let link = || bw.host_to_device.max(file_bw.get());
+    let link = || link_rate(bw.host_to_device, file_bw.get());
     let run_case = |name: &str, spec: Spec| -> Result<Case> {
         let Spec { slots, cold, graphs, cut, lookahead, pin, depth, cpu, anatomy } = spec;
         if cold {
@@ -953,6 +960,22 @@ mod tests {
         assert!((share48 - 127.0 / bound48).abs() < 1e-12);
         // Where the HBM roofline at that depth is lower, it is the bound.
         assert_eq!(pcie_share_at(&k, 48, 150.0, 55e9, 120.0), (0.8, 150.0));
+    }
+
+    #[test]
+    fn a_low_link_reading_does_not_raise_the_share() {
+        // Session 34: one host read 52.5 GB/s from a pinned buffer; the file's pages gave more.
+        let k = Case { depth: 32, tok_s: 195.0, bytes_per_token: 184e6, wasted_per_token: 25e6, ..Default::default() };
+        let (low, _) = pcie_share(&k, 3000.0, 52.5e9);
+        let (used, bound) = pcie_share(&k, 3000.0, link_rate(52.5e9, 55.2e9));
+        assert!((bound - 55.2e9 / 159e6).abs() < 1e-9, "{bound}");
+        assert!(used < low, "{used} against {low}");
+        // Either reading may be the higher; a file not measured (0) leaves the buffer's.
+        assert_eq!(link_rate(55.5e9, 54.6e9), 55.5e9);
+        assert_eq!(link_rate(53.6e9, 0.0), 53.6e9);
+        let words = link_rates(53.6e9, 55.2e9);
+        assert!(words.contains("53.6 GB/s from a pinned buffer and 55.2 from the pinned expert file"), "{words}");
+        assert_eq!(link_rates(53.6e9, 0.0), "pinned host-to-device 53.6 GB/s (measured)");
     }
 
     #[test]
