@@ -126,8 +126,11 @@ impl PinnedExperts {
         let n = self.chunks.len().min(8);
         let smallest = self.chunks.iter().map(|c| c.1).min().unwrap_or(0);
         let slice = (bytes / n.max(1)).min(smallest) & !0xFFF;
-        if n == 0 || slice == 0 {
+        if n == 0 {
             bail!("nothing of the expert file is pinned, so its copy rate cannot be measured");
+        }
+        if slice == 0 {
+            bail!("the pinned expert file's ranges ({smallest} bytes the smallest) are too small to time copies from");
         }
         let starts: Vec<usize> = (0..n).map(|i| self.chunks[i * self.chunks.len() / n].0).collect();
         let dst = self.gpu.alloc(slice, "the pinned expert file's copy test")?;
