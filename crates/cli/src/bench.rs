@@ -425,12 +425,11 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     let tok = Tokenizer::from_dir(&store.dir)?;
     let prompt = prompt_tokens(&store.dir, &tok, None, "Explain hash collisions.", false)?;
     let experts_file = store.dir.join(&store.manifest.experts.file);
-    // The link's rate for copies from the pinned expert file (bytes/s; 0 until a case pins it).
-    // Its pages lie wherever the page cache put them, and a host's memory nodes can differ in
-    // their path to the GPU: one H200 host measured 52.5 GB/s from a fresh pinned buffer while
-    // the pinned cases ran as fast as on hosts that measured 55.5 (benchmark/notes-cuda.md,
-    // "Session 34"). The PCIe bounds take the higher of the two rates, so a slow buffer cannot
-    // flatter a share.
+    // The link's rate for copies from the pinned expert file (bytes/s; 0 until a case pins it),
+    // the pages the engine copies from. A fresh pinned buffer's reading moved by 2% between two
+    // runs on one H200 host (53.6 and 54.8 GB/s), and one host read 52.5 while its pinned cases
+    // ran as fast as on hosts that read 55.5 (benchmark/notes-cuda.md, "Session 34"). The PCIe
+    // bounds take the higher of the two rates, so a low reading cannot flatter a share.
     let file_bw = std::cell::Cell::new(0.0f64);
     let link = || link_rate(bw.host_to_device, file_bw.get());
     let run_case = |name: &str, spec: Spec| -> Result<Case> {
