@@ -127,10 +127,13 @@ impl PinnedExperts {
         let smallest = self.chunks.iter().map(|c| c.1).min().unwrap_or(0);
         let slice = (bytes / n.max(1)).min(smallest) & !0xFFF;
         if n == 0 {
-            bail!("nothing of the expert file is pinned, so its copy rate cannot be measured");
+            bail!("nothing of {}'s expert file is pinned, so its copy rate cannot be measured", self.dir.display());
         }
         if slice == 0 {
-            bail!("the pinned expert file's ranges ({smallest} bytes the smallest) are too small to time copies from");
+            bail!(
+                "the pinned ranges of {}'s expert file ({smallest} bytes the smallest) are too small to time copies from",
+                self.dir.display()
+            );
         }
         let starts: Vec<usize> = (0..n).map(|i| self.chunks[i * self.chunks.len() / n].0).collect();
         let dst = self.gpu.alloc(slice, "the pinned expert file's copy test")?;
@@ -141,7 +144,7 @@ impl PinnedExperts {
                 // SAFETY: `s..s + slice` lies in a registered range of the live map (slice is at
                 // most the smallest range); dst holds `slice` bytes; the copy is waited for below.
                 unsafe { cudarc::driver::result::memcpy_htod_async(dst.ptr, &self.map[s..s + slice], self.gpu.stream) }
-                    .map_err(|e| anyhow!("a copy from the pinned expert file failed: {e}"))?;
+                    .map_err(|e| anyhow!("a copy from {}'s pinned expert file failed: {e}", self.dir.display()))?;
             }
             self.gpu.sync()?;
             Ok(t.elapsed().as_secs_f64())
