@@ -120,6 +120,7 @@ pub fn linear_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
     rows.extend(input_checks(gpu, rng)?);
     rows.extend(inject_checks(gpu, rng)?);
     rows.extend(image_checks(gpu, rng)?);
+    rows.extend(ahead_checks(gpu, rng)?);
     rows.extend(route_checks(gpu, rng)?);
     for dtype in [DType::BF16, DType::F16, DType::F32] {
         let w = rng.normal(r * cols, 0.05);
@@ -449,6 +450,63 @@ fn upload_linear(
         biases: db.ptr,
     };
     Ok((lin, vec![dw, ds, db]))
+}
+
+/// `matvec_many` with the weights taken ahead (`matvec_many_ahead` in linear.cu: each block's rows
+/// copied into shared memory before it waits) on the GDN input projection's shape (qkv, z, b and a
+/// of 2560 inputs, 4-bit): against the CPU, and bit for bit against the same launch without them.
+/// Hopper and later only; there it fails if no part took its weights ahead.
+fn ahead_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
+    if gpu.info.compute_capability.0 < 9 {
+        return Ok(Vec::new());
+    }
+    let c = 2560usize;
+    let x = rng.normal(c, 1.0);
+    let dx = gpu.alloc(c * 4, "check input")?;
+    gpu.htod(dx.ptr, &x)?;
+    let (mut lins, mut keep, mut want) = (Vec::new(), Vec::new(), Vec::new());
+    for r in [10240usize, 6144, 48, 48] {
+        let (lin, bufs, w) = rand_linear(gpu, rng, Affine::new(4, 64), r, c, &x)?;
+        lins.push(lin);
+        keep.push(bufs);
+        want.extend(w);
+    }
+    let n = want.len();
+    let dy = gpu.zeros(2 * n * 4, "check output")?;
+    let mut got = Vec::new();
+    for (i, ahead) in [false, true].into_iter().enumerate() {
+        let mut at = dy.ptr + (i * n * 4) as u64;
+        let parts: Vec<(&DevLinear, u64)> = lins
+            .iter()
+            .map(|l| {
+                let y = at;
+                at += (l.rows * 4) as u64;
+                (l, y)
+            })
+            .collect();
+        let took = crate::weights::matvec_many_ahead(gpu, dx.ptr, &parts, ahead)?;
+        if took != ahead {
+            bail!("matvec_many on the GDN input projection's shape: weights ahead asked {ahead}, taken {took}");
+        }
+        let mut y = vec![0f32; n];
+        gpu.dtoh(dy.ptr + (i * n * 4) as u64, &mut y)?;
+        got.push(y);
+    }
+    let differ = got[0].iter().zip(&got[1]).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
+    Ok(vec![
+        CheckRow {
+            name: "matvec_many q4 g64 (10240, 6144, 48, 48)x2560, weights ahead".into(),
+            rel_err: rel_err(&got[1], &want),
+            limit: LINEAR_LIMIT,
+        },
+        CheckRow {
+            name:
+                "matvec_many q4 g64 (10240, 6144, 48, 48)x2560, weights ahead against without (fraction not identical)"
+                    .into(),
+            rel_err: differ as f64 / n as f64,
+            limit: 0.0,
+        },
+    ])
 }
 
 /// The tiled 4-bit matvec on the GDN out_proj's shape with its input as a producer's staged image

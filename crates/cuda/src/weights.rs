@@ -195,7 +195,8 @@ impl DevLinear {
                         let min_blocks = many_kernel(&[bits]).1;
                         let split = split_plan(gpu, self.rows, self.cols, bits, group_size, min_blocks);
                         if split.slices > 1 {
-                            return launch_many(gpu, input, &[(self, y)], &[split], None, None, 0).map(|()| false);
+                            return launch_many(gpu, input, &[(self, y)], &[split], None, None, 0, false)
+                                .map(|_| false);
                         }
                     }
                     let a = args_of(tiled_input, group_size, MV_TILED | plan.lanes);
@@ -387,6 +388,37 @@ fn many_spread() -> Option<f64> {
 fn many_wave(sms: usize, per_sm: usize, share: f64, spread: Option<f64>) -> usize {
     let per_sm = spread.map_or(per_sm as f64, |b| b.min(per_sm as f64));
     ((sms as f64 * per_sm * share) as usize).max(1)
+}
+
+/// Whether `matvec_many` launches take their 4-bit parts' weights ahead where that applies
+/// ([`ahead_bytes`]; `CHERENKOV_MANY_AHEAD=0` turns it off, `1` on). Read once per process.
+pub fn many_ahead() -> bool {
+    use std::sync::OnceLock;
+    static AHEAD: OnceLock<bool> = OnceLock::new();
+    *AHEAD.get_or_init(|| std::env::var("CHERENKOV_MANY_AHEAD").is_ok_and(|v| v == "1"))
+}
+
+/// The dynamic shared memory a `matvec_many_ahead` block needs for a part whose weights it takes
+/// ahead (`mv_ahead_q4` in linear.cu: each block's rows copied into shared memory by the tensor
+/// memory accelerator before the block waits for the previous kernel), or `None` where that does
+/// not apply: the part must be 4-bit with whole rows (one column slice), tiles of at most 32 lanes
+/// covered in one pass by its `blocks` blocks of `threads`, groups a row a multiple of 8 and its
+/// arrays 16-byte aligned (so that every bulk copy is), and the bytes must fit [`MAX_STAGED_X`].
+/// x's staging, then the block's rows, their scales and biases, then an mbarrier a warp.
+pub fn ahead_bytes(lin: &DevLinear, plan: &SplitPlan, threads: usize, blocks: usize) -> Option<usize> {
+    let Precision::Affine { bits: 4, group_size } = lin.precision else { return None };
+    let lanes = plan.plan.lanes;
+    let (chunks, gpr) = (lin.cols / chunk_codes(4), lin.cols / group_size.max(1));
+    let tiles = lin.rows.div_ceil(MV_R);
+    let rows_per_block = threads / lanes * MV_R;
+    let fits = plan.slices == 1
+        && lanes <= 32
+        && blocks * (threads / lanes) >= tiles
+        && gpr.is_multiple_of(8)
+        && [lin.data, lin.scales, lin.biases].iter().all(|p| p.is_multiple_of(16));
+    let x = (lin.cols * 4 + lin.cols / 32 * 4).next_multiple_of(128);
+    let bytes = x + rows_per_block * (chunks * 16 + gpr * 4) + threads / 32 * 8;
+    (fits && bytes <= MAX_STAGED_X).then_some(bytes)
 }
 
 /// Codes per 16-byte chunk.
@@ -615,7 +647,8 @@ fn launch_many(
     norm: Option<FoldedNorm>,
     conv: Option<FoldedConv>,
     defer_parts: u32,
-) -> Result<()> {
+    ahead: bool,
+) -> Result<u32> {
     debug_assert!(!parts.is_empty() && parts.len() <= MV_PARTS && parts.len() == plans.len());
     debug_assert!(conv.is_none() || plans[0].slices == 1);
     let cols = parts[0].0.cols;
@@ -627,6 +660,9 @@ fn launch_many(
     let [x2, xs, op] = input.args();
     let mut args = vec![Arg::Ptr(input.x()), x2, xs, op, Arg::I32(cols as i32), Arg::Ptr(gpu.split_scratch.ptr)];
     let (mut grid_x, mut shmem) = (1usize, 0usize);
+    // The parts that take their weights ahead (bit p: part p) and the shared memory they need.
+    let ahead_ok = ahead && norm.is_none() && kernel == "matvec_many_48" && gpu.info.compute_capability.0 >= 9;
+    let (mut ahead_parts, mut ahead_shmem, mut flat_grid) = (0u32, 0usize, 0usize);
     for i in 0..MV_PARTS {
         match parts.get(i) {
             Some(&(lin, y)) => {
@@ -642,7 +678,12 @@ fn launch_many(
                 let wave = many_wave(sms, per_sm_blocks, sp.share, spread);
                 let nb = tiles.div_ceil(threads / sp.plan.lanes).min(wave.div_ceil(sp.slices)).max(1);
                 grid_x = grid_x.max(nb * sp.slices);
+                flat_grid += nb * sp.slices;
                 shmem = shmem.max(sp.shmem);
+                if let Some(bytes) = ahead_bytes(lin, &sp, threads, nb).filter(|_| ahead_ok) {
+                    ahead_parts |= 1 << i;
+                    ahead_shmem = ahead_shmem.max(bytes);
+                }
                 args.extend([
                     Arg::Ptr(lin.data),
                     Arg::Ptr(lin.scales),
@@ -679,11 +720,20 @@ fn launch_many(
         None => args.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::I32(0)]),
     }
     args.push(Arg::I32(defer_parts as i32));
+    args.push(Arg::I32(ahead_parts as i32));
     if let Some(b) = spread {
         let cap = b.ceil() as usize;
         shmem = spread_shmem_for(sms, shmem, cap * sms, (SM_SHARED / (shmem + 2048)).clamp(1, min_blocks));
     }
-    gpu.launch(kernel, (grid_x as u32, parts.len() as u32, 1), threads as u32, shmem as u32, &args)
+    // matvec_many_ahead's grid is flat: the parts' blocks one after another.
+    let (kernel, grid) = if ahead_parts != 0 {
+        shmem = shmem.max(ahead_shmem);
+        ("matvec_many_ahead", (flat_grid as u32, 1, 1))
+    } else {
+        (kernel, (grid_x as u32, parts.len() as u32, 1))
+    };
+    gpu.launch(kernel, grid, threads as u32, shmem as u32, &args)?;
+    Ok(ahead_parts)
 }
 
 /// A zero-centred RMSNorm over groups of `group` inputs folded into a `matvec_many` launch (`MvNorm`
@@ -759,7 +809,7 @@ pub fn matvec_many_norm(
         && plans[1].slices <= MAX_SLICES
         && plans[1].slices.is_multiple_of(MV_R);
     let mask = u32::from(defer) | (u32::from(defer_second) << 1);
-    launch_many(gpu, MatvecInput::OnePlus(x, w), parts, &plans, Some(norm), None, mask)?;
+    launch_many(gpu, MatvecInput::OnePlus(x, w), parts, &plans, Some(norm), None, mask, false)?;
     if defer {
         let (parts, ssq) = part_scratch(gpu, 0);
         let first = DeferredSlices { parts, slices: MV_R, ssq, eps: norm.eps };
@@ -802,12 +852,18 @@ pub fn matvec_many(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)]) -> Result<()>
     matvec_many_conv(gpu, x, parts, None).map(|_| ())
 }
 
+/// [`matvec_many`] with the weights taken ahead where that applies (`ahead`) or never, whatever
+/// [`many_ahead`] says (the GPU check compares the two). Returns whether a part took them ahead.
+pub fn matvec_many_ahead(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)], ahead: bool) -> Result<bool> {
+    matvec_many_with(gpu, x, parts, None, false, ahead).map(|m| m.ahead_parts != 0)
+}
+
 /// [`matvec_many`] with `conv` folded into the first part's output where the launch takes it: the
 /// parts fused into one launch, the first part in one column slice with `conv.channels` rows, and
 /// [`fold_conv`]. Returns whether it did; if not, the first part's output is the plain product and
 /// the caller runs the conv.
 pub fn matvec_many_conv(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)], conv: Option<FoldedConv>) -> Result<bool> {
-    matvec_many_with(gpu, x, parts, conv, false).map(|(folded, _)| folded)
+    matvec_many_with(gpu, x, parts, conv, false, many_ahead()).map(|m| m.folded)
 }
 
 /// Where a [`matvec_many_deferring`] launch left its first part's column slices: `slices` of the
@@ -839,7 +895,7 @@ fn part_scratch(gpu: &Gpu, p: usize) -> (u64, u64) {
 /// written whole. The caller's next kernel must add them up before any other split launch runs
 /// (they share the scratch).
 pub fn matvec_many_deferring(gpu: &Gpu, x: u64, parts: &[(&DevLinear, u64)]) -> Result<Option<DeferredSlices>> {
-    matvec_many_with(gpu, x, parts, None, true).map(|(_, d)| d)
+    matvec_many_with(gpu, x, parts, None, true, many_ahead()).map(|m| m.deferred)
 }
 
 fn matvec_many_with(
@@ -848,18 +904,19 @@ fn matvec_many_with(
     parts: &[(&DevLinear, u64)],
     conv: Option<FoldedConv>,
     defer_first: bool,
-) -> Result<(bool, Option<DeferredSlices>)> {
-    let Some(&(first, _)) = parts.first() else { return Ok((false, None)) };
+    ahead: bool,
+) -> Result<ManyLaunch> {
+    let mut done = ManyLaunch { folded: false, deferred: None, ahead_parts: 0 };
+    let Some(&(first, _)) = parts.first() else { return Ok(done) };
     let fused = parts.len() > 1 && parts.iter().all(|(l, _)| l.cols == first.cols && l.tiled_shmem().is_some());
     if !fused {
         for &(l, y) in parts {
             l.matvec(gpu, x, y)?;
         }
-        return Ok((false, None));
+        return Ok(done);
     }
     // Only a single launch defers (a later launch would write the same scratch).
     let defer_first = defer_first && parts.len() <= MV_PARTS;
-    let (mut folded, mut deferred) = (false, None);
     for (gi, group) in parts.chunks(MV_PARTS).enumerate() {
         let min_blocks = many_kernel(&part_bits(group)).1;
         let mut plans = Vec::with_capacity(group.len());
@@ -880,15 +937,25 @@ fn matvec_many_with(
         }
         let conv =
             conv.filter(|c| gi == 0 && plans[0].slices == 1 && c.k > 0 && group[0].0.rows == c.channels && fold_conv());
-        folded |= conv.is_some();
+        done.folded |= conv.is_some();
         let defer = defer_first && plans[0].slices > 1;
-        launch_many(gpu, MatvecInput::Plain(x), group, &plans, None, conv, u32::from(defer))?;
+        done.ahead_parts |=
+            launch_many(gpu, MatvecInput::Plain(x), group, &plans, None, conv, u32::from(defer), ahead)?;
         if defer {
-            deferred =
+            done.deferred =
                 Some(DeferredSlices { parts: part_scratch(gpu, 0).0, slices: plans[0].slices, ssq: 0, eps: 0.0 });
         }
     }
-    Ok((folded, deferred))
+    Ok(done)
+}
+
+/// What [`matvec_many_with`] queued: whether the conv was folded into the first part, where the
+/// first part's slices were left, and the parts that took their weights ahead (bit p: part p of
+/// any of its launches).
+struct ManyLaunch {
+    folded: bool,
+    deferred: Option<DeferredSlices>,
+    ahead_parts: u32,
 }
 
 /// Where `hc_up_mix` finds the normalised residual.
@@ -1494,6 +1561,45 @@ mod tests {
     fn h200(rows: usize, cols: usize, bits: u32, gs: usize, copies: usize, min_blocks: usize) -> TilePlan {
         let shmem = tiled_shmem(bits, gs, cols).expect("a tiled shape");
         plan_tiles(132, 512, rows.div_ceil(MV_R), cols / chunk_codes(bits), copies, min_blocks, shmem, 1.0)
+    }
+
+    /// A 4-bit g64 matrix of `rows` x 2560 at aligned addresses, and a one-slice plan of `lanes`.
+    fn q4(rows: usize, lanes: usize) -> (DevLinear, SplitPlan) {
+        let lin = DevLinear {
+            precision: Precision::Affine { bits: 4, group_size: 64 },
+            rows,
+            cols: 2560,
+            data: 1 << 20,
+            scales: 2 << 20,
+            biases: 3 << 20,
+        };
+        let plan = SplitPlan { slices: 1, plan: TilePlan { lanes, threads: 256, blocks: 1 }, shmem: 10560, share: 1.0 };
+        (lin, plan)
+    }
+
+    #[test]
+    fn the_gdn_input_projections_large_parts_take_their_weights_ahead_and_the_small_ones_do_not() {
+        // qkv: 16 tiles of 16 lanes a block, 160 blocks cover its 2560 tiles in one pass: x's
+        // staging (2560 floats and 80 sums, to 128 bytes), 64 rows of 80 chunks and 40 scales
+        // and biases, 8 mbarriers. Two such blocks fit a multiprocessor.
+        let (qkv, plan) = q4(10240, 16);
+        let bytes = ahead_bytes(&qkv, &plan, 256, 160);
+        assert_eq!(bytes, Some(10624 + 64 * (80 * 16 + 40 * 4) + 64));
+        assert!(2 * (bytes.unwrap() + 1024) <= SM_SHARED);
+        // Not in one pass: some blocks would need a second.
+        assert_eq!(ahead_bytes(&qkv, &plan, 256, 159), None);
+        // b (48 rows) with 8 lanes: a block of 128 rows would not fit the shared memory.
+        let (b, plan8) = q4(48, 8);
+        assert_eq!(ahead_bytes(&b, &plan8, 256, 1), None);
+        // Wider tiles, column slices, other widths, unaligned scales: never.
+        let (lin, wide) = q4(10240, 64);
+        assert_eq!(ahead_bytes(&lin, &wide, 256, 2560), None);
+        let sliced = SplitPlan { slices: 2, ..plan };
+        assert_eq!(ahead_bytes(&qkv, &sliced, 256, 160), None);
+        let q8 = DevLinear { precision: Precision::Affine { bits: 8, group_size: 64 }, ..qkv };
+        assert_eq!(ahead_bytes(&q8, &plan, 256, 160), None);
+        let unaligned = DevLinear { scales: qkv.scales + 8, ..qkv };
+        assert_eq!(ahead_bytes(&unaligned, &plan, 256, 160), None);
     }
 
     #[test]

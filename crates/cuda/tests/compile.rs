@@ -69,6 +69,7 @@ const VARIANTS: &[&str] = &[
     "EXPERT_DOWN_LATE",
     "GATE_UP_STAGE_LATE",
     "GDN_TAIL_LATE",
+    "HC_EARLY_RELEASE",
     "HC_NO_PRELOAD",
     "MV_FLOAT_STREAMS",
     "MV_INT_NORM",

@@ -284,7 +284,17 @@ fn matvec_probe() {
                     Arg::I32(GS as i32),
                 ]);
             }
-            args.extend([Arg::I32(0), Arg::F32(0.0), Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::I32(0)]);
+            // norm, conv, defer_parts, ahead_parts: none.
+            args.extend([
+                Arg::I32(0),
+                Arg::F32(0.0),
+                Arg::Ptr(0),
+                Arg::Ptr(0),
+                Arg::Ptr(0),
+                Arg::I32(0),
+                Arg::I32(0),
+                Arg::I32(0),
+            ]);
             gpu.launch("matvec_many_48", (grid_x as u32, 4, 1), 256, shmem(2560), &args).unwrap();
         });
         report(&format!("{what}: qkv {:?}, z {:?}", p[0], p[1]), total, us);
@@ -340,7 +350,17 @@ fn matvec_probe() {
                             Arg::I32(GS as i32),
                         ]);
                     }
-                    args.extend([Arg::I32(0), Arg::F32(0.0), Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::I32(0)]);
+                    // norm, conv, defer_parts, ahead_parts: none.
+                    args.extend([
+                        Arg::I32(0),
+                        Arg::F32(0.0),
+                        Arg::Ptr(0),
+                        Arg::Ptr(0),
+                        Arg::Ptr(0),
+                        Arg::I32(0),
+                        Arg::I32(0),
+                        Arg::I32(0),
+                    ]);
                     gpu.launch("matvec_many_48", ((nb * k) as u32, 1, 1), 256, shmem(6144 / k), &args).unwrap();
                 });
                 let steps = chunks.div_ceil(lanes);

@@ -750,7 +750,10 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
         // launch's bytes from its start instead of two steps per lane at a time. Session 8 measured
         // it on the float core (no gain; arithmetic held the kernels then); with the dp4a core the
         // loads' issue holds them (benchmark/notes-cuda.md, "Session 13"), so it is worth measuring
-        // again. Not run on a GPU since it was ported.
+        // again. Session 35 did (the timeline at 32 layers): the GDN in_proj took 19.7 us a launch
+        // against 16.6, and a step 0.18 ms more: a prefetch a lane and step issues far more
+        // instructions than the loads it precedes. matvec_many_ahead's bulk copies are its
+        // successor (mv_ahead_q4).
         if (more && nunits * tpu >= ntiles && tile < ntiles) {
             for (int it2 = 1; it2 < nit; it2++) {
                 const int c2 = (it2 << lshift) + lt;
@@ -905,6 +908,147 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
     }
 }
 
+// ---- Weights ahead: a block's whole share of a 4-bit matrix copied into shared memory before the wait. ----
+//
+// In a launch whose blocks each cover their tiles in one pass (MV_PLAIN, whole rows, L <= 32
+// lanes a tile, 4-bit rows by dp4a), each warp's rows are contiguous in memory: tpu tiles of
+// MV_R rows, C chunks a row, and gpr scales and biases a row. Lane 0 of each warp asks the tensor
+// memory accelerator for them with three bulk copies (`cp.async.bulk`: the rows' chunks, scales and
+// biases), completing on the warp's mbarrier, before the block waits for the previous kernel:
+// the weights do not depend on it, so they stream while it runs or ends, and no register holds
+// them. After the wait the block stages x as mv_core does, each warp waits for its own barrier and
+// computes its tiles from shared memory, with mv_core's arithmetic in mv_core's order (the outputs
+// are bit for bit mv_core's). The host asks for the shared memory (mva_bytes) and sets `ahead`
+// only where this applies (weights.rs: ahead_applies).
+//
+// Dynamic shared memory: x's staging (mv_core's, mva_x_bytes), then the block's rows' chunks
+// (MV_R tpu warps rows of C uint4), their scales, their biases (gpr u16 a row each; gpr a multiple
+// of 8 keeps every copy's size and place 16-byte aligned), then an mbarrier a warp. Hopper and
+// later only (bulk copies and these mbarrier operations are sm_90's); elsewhere the kernel takes
+// mv_core, and the host never sets `ahead` there.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define MV_AHEAD 1
+#else
+#define MV_AHEAD 0
+#endif
+#if MV_AHEAD
+__device__ __forceinline__ unsigned mva_smem(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ int mva_x_bytes(int cols) { return (cols * 4 + (cols >> 5) * 4 + 127) & ~127; }
+
+__device__ __forceinline__ void mva_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     mva_smem(dst)),
+                 "l"(src), "r"(bytes), "r"(mva_smem(bar))
+                 : "memory");
+}
+
+__device__ __forceinline__ void mva_wait(unsigned long long* bar) {
+    asm volatile(
+        "{\n"
+        ".reg .pred P1;\n"
+        "MVA_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], 0;\n"
+        "@P1 bra.uni MVA_DONE;\n"
+        "bra.uni MVA_WAIT;\n"
+        "MVA_DONE:\n"
+        "}\n" ::"r"(mva_smem(bar))
+        : "memory");
+}
+
+// The tiles of matrix `a` (rows x C chunks, whole rows) of block `blk`, each handed to emit(tile,
+// v) as mv_core<4, MV_PLAIN, true> would; waits for the previous kernel itself (grid_enter).
+template <class Emit>
+__device__ __forceinline__ void mv_ahead_q4(const MvMat a, const float* __restrict__ x, const MvIn in, int rows, int C,
+                                            int gpr, int gshift, int L, int blk, Emit emit) {
+    extern __shared__ float4 mv_smem[];
+    const int cols = C * 32;
+    const int lshift = __ffs(L) - 1, nit = (C + L - 1) >> lshift;
+    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int tpu = 32 >> lshift, sub = lane >> lshift, lt = lane & (L - 1);
+    const int ntiles = (rows + MV_R - 1) / MV_R;
+    const int rpb = warps * tpu * MV_R;                  // rows a block holds
+    const int r0 = blk * rpb;                            // the block's first row
+    const int w0 = r0 + warp * tpu * MV_R;               // the warp's first row
+    const int wn = max(0, min(rows, w0 + tpu * MV_R) - w0);  // and its rows
+    uint4* sw = (uint4*)((unsigned char*)mv_smem + mva_x_bytes(cols));
+    u16* ss = (u16*)(sw + (size_t)rpb * C);
+    u16* sbi = ss + (size_t)rpb * gpr;
+    unsigned long long* bar = (unsigned long long*)(sbi + (size_t)rpb * gpr);
+    if (threadIdx.x < warps) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(mva_smem(bar + threadIdx.x)) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (lane == 0 && wn > 0) {
+        const int l0 = w0 - r0;
+        const unsigned wb = (unsigned)wn * C * 16, sb = (unsigned)wn * gpr * 2;
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(mva_smem(bar + warp)), "r"(wb + 2 * sb)
+                     : "memory");
+        mva_copy(sw + (size_t)l0 * C, a.w + (size_t)w0 * C, wb, bar + warp);
+        mva_copy(ss + (size_t)l0 * gpr, a.s + (size_t)w0 * gpr, sb, bar + warp);
+        mva_copy(sbi + (size_t)l0 * gpr, a.b + (size_t)w0 * gpr, sb, bar + warp);
+    }
+    grid_enter();
+    if (in.op == MV_IN_DIGITS) {
+        mvd_copy((const uint4*)in.x2, (uint4*)mv_smem, cols >> 5);
+    } else {
+        mvd_stage(x, in, mv_smem, cols, nullptr);
+    }
+    tl_mark();
+    if (wn == 0) return;
+    mva_wait(bar + warp);
+    const int tile = (blk * warps + warp) * tpu + sub;
+    const float2* meta = mvd_meta(mv_smem, cols >> 5);
+    float tot[MV_R];
+#pragma unroll
+    for (int i = 0; i < MV_R; i++) tot[i] = 0.0f;
+#pragma unroll 1
+    for (int it = 0; it < nit; it++) {
+        const int c = (it << lshift) + lt;
+        if (tile < ntiles && c < C) {
+            const int g = (c * 32) >> gshift;
+            uint4 wc[MV_R];
+            u32 sbc[MV_R];
+#pragma unroll
+            for (int i = 0; i < MV_R; i++) {
+                const int r = min(tile * MV_R + i, rows - 1) - r0;
+                wc[i] = sw[r * C + c];
+                sbc[i] = (u32)ss[r * gpr + g] | ((u32)sbi[r * gpr + g] << 16);
+            }
+            // mv_core's DP4A step, unchanged.
+            const uint4* xq = (const uint4*)(mv_smem + c * MVD_CHUNK);
+            int a0[MV_R], a1[MV_R], a2[MV_R];
+#pragma unroll
+            for (int i = 0; i < MV_R; i++) a0[i] = a1[i] = a2[i] = 0;
+#pragma unroll
+            for (int k = 0; k < 4; k += 2) {
+                const uint4 p = xq[3 * (k >> 1)], q = xq[3 * (k >> 1) + 1], r = xq[3 * (k >> 1) + 2];
+#pragma unroll
+                for (int i = 0; i < MV_R; i++) {
+                    mvd_word(mv_word(wc[i], k), p.x, p.y, p.z, p.w, q.x, q.y, a0[i], a1[i], a2[i]);
+                    mvd_word(mv_word(wc[i], k + 1), q.z, q.w, r.x, r.y, r.z, r.w, a0[i], a1[i], a2[i]);
+                }
+            }
+            const float2 mt = meta[c];
+#pragma unroll
+            for (int i = 0; i < MV_R; i++) {
+                const u32 sb = sbc[i];
+                const float scale = __uint_as_float(sb << 16), bias = __uint_as_float(sb & 0xffff0000u);
+                const float sq = fmaf((float)a2[i], 65536.0f, (float)(a1[i] * 256 + a0[i]));
+                tot[i] = fmaf(scale * mt.x, sq, fmaf(bias, mt.y, tot[i]));
+            }
+        }
+    }
+    tl_mark_at(1);
+#pragma unroll
+    for (int i = 0; i < MV_R; i++) {
+        for (int o = L >> 1; o > 0; o >>= 1) tot[i] += __shfl_xor_sync(0xffffffffu, tot[i], o);
+    }
+    if (lt == 0 && tile < ntiles) emit(tile, tot);
+}
+#endif
+
 // Waits for the previous kernel itself, after requesting its first weights (mv_core's EARLY).
 template <int BITS>
 __device__ __forceinline__ void matvec_tiled(const u32* __restrict__ W, const u16* __restrict__ S,
@@ -1001,18 +1145,22 @@ __device__ __noinline__ void mv_conv_rows(const MvConv cv, float* y, int rows, i
     }
 }
 
-template <int BITS, bool NORM>
+template <int BITS, bool NORM, bool AHEAD = false>
 __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, const MvIn in, int cols, int gs,
                                                  float* scratch,
                                                  const u32* W, const u16* S, const u16* B, float* y, int rows, int L,
-                                                 int nb, int ks, const MvNorm nrm, const MvConv cv, bool defer) {
+                                                 int nb, int ks, const MvNorm nrm, const MvConv cv, bool defer,
+                                                 bool ahead, int flat_p, int flat_bx) {
     typedef MvFmt<BITS> F;
-    if ((int)blockIdx.x >= nb * ks) {  // the whole block: nothing has synchronised yet
+    // The part and its block: from the flat grid of matvec_many_ahead, else (blockIdx.y, .x).
+    const int p = AHEAD ? flat_p : (int)blockIdx.y, bx = AHEAD ? flat_bx : (int)blockIdx.x;
+    if (bx >= nb * ks) {  // the whole block: nothing has synchronised yet
         grid_enter();
         return;
     }
-    const int p = blockIdx.y;
-    const int slice = blockIdx.x / nb, blk = blockIdx.x - slice * nb;
+    // (An unsigned division, as before the flat grid: a signed one cost matvec_many_48 20 bytes of
+    // spills.)
+    const int slice = (unsigned)bx / nb, blk = bx - slice * nb;
     const int C = cols / F::CPC, Cs = C / ks, c0 = slice * Cs, gpr = cols / gs, gshift = __ffs(gs) - 1;
     const int g0 = (c0 * F::CPC) >> gshift;
     const MvMat a{(const uint4*)W + c0, S + g0, B + g0};
@@ -1030,21 +1178,30 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
 #else
     constexpr bool INT = !NORM;
 #endif
-    mv_core<BITS, MV_PLAIN, true, INT>(a, a, x + j0, mv_in_offset(in, j0), rows, C, Cs, gpr, gshift, L, blk, nb,
-                            [&](int tile, const float* v) {
+    const auto emit = [&](int tile, const float* v) {
 #pragma unroll
-                                for (int i = 0; i < MV_R; i++) {
-                                    if (tile * MV_R + i < rows) dst[tile * MV_R + i] = v[i];
-                                }
-                            },
-                            ssq);
+        for (int i = 0; i < MV_R; i++) {
+            if (tile * MV_R + i < rows) dst[tile * MV_R + i] = v[i];
+        }
+    };
+    // The weights ahead (mv_ahead_q4) where the host set the part's bit: whole rows (ks == 1).
+    bool done = false;
+#if MV_AHEAD
+    if constexpr (AHEAD && BITS == 4 && MV_DP4A && !NORM) {
+        if (ahead) {
+            mv_ahead_q4(a, x, in, rows, C, gpr, gshift, L, blk, emit);
+            done = true;
+        }
+    }
+#endif
+    if (!done) mv_core<BITS, MV_PLAIN, true, INT>(a, a, x + j0, mv_in_offset(in, j0), rows, C, Cs, gpr, gshift, L, blk, nb, emit, ssq);
     if (p == 0 && cv.k > 0 && ks == 1) {
         // The block's tiles are TB = blockDim / L consecutive ones per pass of the grid (mv_core's
         // units): once their sums are written (visible to the block after the barrier), the conv
         // runs over their rows in place, after the main loop so that it costs that loop no
         // registers.
         __syncthreads();
-        mv_conv_rows(cv, y, rows, blockIdx.x, nb, L);
+        mv_conv_rows(cv, y, rows, bx, nb, L);
     }
     if (ks > 1 && !defer) {
         unsigned* counter = (unsigned*)scratch + p;
@@ -1141,28 +1298,31 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
 // scratch for a later kernel, which adds them up itself (the router's: route_topk; the
 // hyper-connection read's down projection and injection logits: hc_up_mix), so no block waits for
 // the others to sum them.
+// ahead_parts: a mask of the 4-bit parts whose blocks copy their weights into shared memory before
+// they wait (mv_ahead_q4; the host checks that it applies and asks for the shared memory).
 #define MATVEC_MANY_ARGS                                                                                      \
     const float *x, const float *x2, float xs, int op, int cols, float *scratch, MV_PART_ARGS(0), MV_PART_ARGS(1), \
         MV_PART_ARGS(2), MV_PART_ARGS(3), int norm_group, float norm_eps, float *norm_inv, float *conv_state,      \
-        const float *conv_w, int conv_k, int defer_parts
-#define MATVEC_MANY_PART(B, NORM)                                                                             \
-    matvec_many_part<B, NORM>(x, MvIn{x2, xs, op}, cols, MV_SEL(g), scratch, MV_SEL(W), MV_SEL(S), MV_SEL(Bi),      \
+        const float *conv_w, int conv_k, int defer_parts, int ahead_parts
+#define MATVEC_MANY_PART(B, NORM, AHEAD)                                                                      \
+    matvec_many_part<B, NORM, AHEAD>(x, MvIn{x2, xs, op}, cols, MV_SEL(g), scratch, MV_SEL(W), MV_SEL(S), MV_SEL(Bi),      \
                         MV_SEL(y), MV_SEL(r), MV_SEL(l), MV_SEL(n), MV_SEL(k),                               \
                         MvNorm{norm_group, norm_eps, norm_inv}, MvConv{conv_state, conv_w, conv_k},          \
-                        NORM ? ((defer_parts >> p) & 1) != 0 : p == 0 && defer_parts != 0)
+                        NORM ? ((defer_parts >> p) & 1) != 0 : p == 0 && defer_parts != 0,                 \
+                        ((ahead_parts >> p) & 1) != 0, p, bx)
 // (matvec_many_part waits for the previous kernel: mv_core's EARLY.)
 extern "C" __global__ void __launch_bounds__(256, 2) matvec_many(MATVEC_MANY_ARGS) {
     KSPAN;
-    const int p = blockIdx.y;
+    const int p = blockIdx.y, bx = blockIdx.x;
     switch (MV_SEL(b)) {
         case 2:
-            MATVEC_MANY_PART(2, true);
+            MATVEC_MANY_PART(2, true, false);
             break;
         case 4:
-            MATVEC_MANY_PART(4, true);
+            MATVEC_MANY_PART(4, true, false);
             break;
         default:
-            MATVEC_MANY_PART(8, true);
+            MATVEC_MANY_PART(8, true, false);
             break;
     }
 }
@@ -1172,11 +1332,31 @@ extern "C" __global__ void __launch_bounds__(256, 2) matvec_many(MATVEC_MANY_ARG
 // 256 threads per multiprocessor (DevLinear's planning knows it).
 extern "C" __global__ void __launch_bounds__(256, 3) matvec_many_48(MATVEC_MANY_ARGS) {
     KSPAN;
-    const int p = blockIdx.y;
+    const int p = blockIdx.y, bx = blockIdx.x;
     if (MV_SEL(b) == 4) {
-        MATVEC_MANY_PART(4, false);
+        MATVEC_MANY_PART(4, false, false);
     } else {
-        MATVEC_MANY_PART(8, false);
+        MATVEC_MANY_PART(8, false, false);
+    }
+}
+
+// matvec_many_48 whose 4-bit parts of bit p set in ahead_parts take their weights ahead
+// (mv_ahead_q4): a block's share of the weights then fills about 100 KB of shared memory, so no
+// more than 2 blocks fit a multiprocessor and the kernel takes their register budget. Its grid is
+// flat, the parts' n_p k_p blocks one after another (blockIdx.y unused): with 2 blocks a
+// multiprocessor, a grid with idle blocks (matvec_many_48's, as wide as the widest part for every
+// part) left the last parts' blocks waiting for slots until the first blocks had ended.
+extern "C" __global__ void __launch_bounds__(256, 2) matvec_many_ahead(MATVEC_MANY_ARGS) {
+    KSPAN;
+    int p = 0, bx = blockIdx.x;
+    while (p < MV_PARTS - 1 && bx >= MV_SEL(n) * MV_SEL(k)) {
+        bx -= MV_SEL(n) * MV_SEL(k);
+        p++;
+    }
+    if (MV_SEL(b) == 4) {
+        MATVEC_MANY_PART(4, false, true);
+    } else {
+        MATVEC_MANY_PART(8, false, true);
     }
 }
 
@@ -1310,6 +1490,13 @@ extern "C" __global__ void __launch_bounds__(256, 2)
     // (The streams' 1 / rms where the read's sum was deferred: MvLdSlices.)
     __shared__ float hc_inv[MV_R];
     KSPAN;
+#ifdef HC_EARLY_RELEASE
+    // Measurement variant (CHERENKOV_KERNEL_DEFINES=HC_EARLY_RELEASE): the next kernel (the mixer's
+    // input projection) may be scheduled as soon as this launch's blocks all run, before they wait
+    // for the read's down projection, so its weights taken ahead (matvec_many_ahead) start a
+    // kernel earlier. Its own wait still waits for this launch, which waits for the one before.
+    grid_release();
+#endif
     // The injection logits' sum: the grid's last block (one more than the tiles' blocks).
     int nblk = gridDim.x;
     if (ij_out) {
