@@ -284,17 +284,7 @@ fn matvec_probe() {
                     Arg::I32(GS as i32),
                 ]);
             }
-            // norm, conv, defer_parts, ahead_parts: none.
-            args.extend([
-                Arg::I32(0),
-                Arg::F32(0.0),
-                Arg::Ptr(0),
-                Arg::Ptr(0),
-                Arg::Ptr(0),
-                Arg::I32(0),
-                Arg::I32(0),
-                Arg::I32(0),
-            ]);
+            args.extend(no_extras());
             gpu.launch("matvec_many_48", (grid_x as u32, 4, 1), 256, shmem(2560), &args).unwrap();
         });
         report(&format!("{what}: qkv {:?}, z {:?}", p[0], p[1]), total, us);
@@ -350,17 +340,7 @@ fn matvec_probe() {
                             Arg::I32(GS as i32),
                         ]);
                     }
-                    // norm, conv, defer_parts, ahead_parts: none.
-                    args.extend([
-                        Arg::I32(0),
-                        Arg::F32(0.0),
-                        Arg::Ptr(0),
-                        Arg::Ptr(0),
-                        Arg::Ptr(0),
-                        Arg::I32(0),
-                        Arg::I32(0),
-                        Arg::I32(0),
-                    ]);
+                    args.extend(no_extras());
                     gpu.launch("matvec_many_48", ((nb * k) as u32, 1, 1), 256, shmem(6144 / k), &args).unwrap();
                 });
                 let steps = chunks.div_ceil(lanes);
@@ -480,4 +460,10 @@ fn matvec_probe() {
             report(&format!("down lanes {lanes:3}, {nb:3} blocks x 10 ({steps} steps)"), d_bytes, us);
         }
     }
+}
+
+/// `matvec_many_48`'s arguments after its parts: no folded norm, no folded conv, no deferred parts,
+/// no weights ahead.
+fn no_extras() -> [Arg; 8] {
+    [Arg::I32(0), Arg::F32(0.0), Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::I32(0), Arg::I32(0), Arg::I32(0)]
 }

@@ -609,6 +609,39 @@ __device__ __forceinline__ void mvd_word(u32 w, u32 e0, u32 o0, u32 e1, u32 o1, 
     a2 = mvd_dp4a(hi, o2, mvd_dp4a(lo, e2, a2));
 }
 
+// One chunk of the dp4a core: chunk c of a tile's MV_R rows (their words `wc` and packed scale and
+// bias `sbc`, scale in the low half) against x's staged digits and (xs, sum) (`sx4`, `chunks`
+// chunks), added to `tot`: a row's three digit sums, then the unit's epilogue.
+__device__ __forceinline__ void mvd_step(const uint4 (&wc)[MV_R], const u32* sbc, const float4* sx4, int chunks, int c,
+                                         float (&tot)[MV_R]) {
+    const uint4* xq = (const uint4*)(sx4 + c * MVD_CHUNK);
+    int a0[MV_R], a1[MV_R], a2[MV_R];
+#pragma unroll
+    for (int i = 0; i < MV_R; i++) a0[i] = a1[i] = a2[i] = 0;
+#pragma unroll
+    for (int k = 0; k < 4; k += 2) {
+        const uint4 p = xq[3 * (k >> 1)], q = xq[3 * (k >> 1) + 1], r = xq[3 * (k >> 1) + 2];
+#pragma unroll
+        for (int i = 0; i < MV_R; i++) {
+#ifdef MV_PROBE_NO_MATH
+            // The measurement variant (as in the float core): one add per word.
+            a0[i] += (int)(mv_word(wc[i], k) ^ p.x) + (int)(mv_word(wc[i], k + 1) ^ r.w);
+#else
+            mvd_word(mv_word(wc[i], k), p.x, p.y, p.z, p.w, q.x, q.y, a0[i], a1[i], a2[i]);
+            mvd_word(mv_word(wc[i], k + 1), q.z, q.w, r.x, r.y, r.z, r.w, a0[i], a1[i], a2[i]);
+#endif
+        }
+    }
+    const float2 mt = mvd_meta(sx4, chunks)[c];
+#pragma unroll
+    for (int i = 0; i < MV_R; i++) {
+        const u32 sb = sbc[i];
+        const float scale = __uint_as_float(sb << 16), bias = __uint_as_float(sb & 0xffff0000u);
+        const float sq = fmaf((float)a2[i], 65536.0f, (float)(a1[i] * 256 + a0[i]));
+        tot[i] = fmaf(scale * mt.x, sq, fmaf(bias, mt.y, tot[i]));
+    }
+}
+
 // Tile layouts of the tiled core. MV_PLAIN: tile t is rows 4t..4t+3 of matrix `a`. MV_GATE_UP:
 // tile t is rows 2t, 2t+1 of `a` (gate) and the same rows of `b` (up), so the thread that finishes
 // a tile holds both projections of its rows (the expert kernels write silu(gate) * up directly).
@@ -800,33 +833,7 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
             mv_load<BITS, MODE>(a, bm, tile2, c2, more2 && tile2 < ntiles && c2 < Cs, rows, C, gpr, gshift, wn, sbn);
         }
         if (DP4A && tile < ntiles && c < Cs) {
-            // One unit per chunk: its three digit sums per row, then the unit's epilogue.
-            const uint4* xq = (const uint4*)(sx4 + c * MVD_CHUNK);
-            int a0[MV_R], a1[MV_R], a2[MV_R];
-#pragma unroll
-            for (int i = 0; i < MV_R; i++) a0[i] = a1[i] = a2[i] = 0;
-#pragma unroll
-            for (int k = 0; k < 4; k += 2) {
-                const uint4 p = xq[3 * (k >> 1)], q = xq[3 * (k >> 1) + 1], r = xq[3 * (k >> 1) + 2];
-#pragma unroll
-                for (int i = 0; i < MV_R; i++) {
-#ifdef MV_PROBE_NO_MATH
-                    // The measurement variant (as in the float core): one add per word.
-                    a0[i] += (int)(mv_word(wc[i], k) ^ p.x) + (int)(mv_word(wc[i], k + 1) ^ r.w);
-#else
-                    mvd_word(mv_word(wc[i], k), p.x, p.y, p.z, p.w, q.x, q.y, a0[i], a1[i], a2[i]);
-                    mvd_word(mv_word(wc[i], k + 1), q.z, q.w, r.x, r.y, r.z, r.w, a0[i], a1[i], a2[i]);
-#endif
-                }
-            }
-            const float2 mt = mvd_meta(sx4, cols >> 5)[c];
-#pragma unroll
-            for (int i = 0; i < MV_R; i++) {
-                const u32 sb = sbc[i];
-                const float scale = __uint_as_float(sb << 16), bias = __uint_as_float(sb & 0xffff0000u);
-                const float sq = fmaf((float)a2[i], 65536.0f, (float)(a1[i] * 256 + a0[i]));
-                tot[i] = fmaf(scale * mt.x, sq, fmaf(bias, mt.y, tot[i]));
-            }
+            mvd_step(wc, sbc, sx4, cols >> 5, c, tot);
         } else if (!DP4A && tile < ntiles && c < Cs) {
 #pragma unroll
             for (int p = 0; p < F::NSUB; p++) {
@@ -999,7 +1006,6 @@ __device__ __forceinline__ void mv_ahead_q4(const MvMat a, const float* __restri
     if (wn == 0) return;
     mva_wait(bar + warp);
     const int tile = (blk * warps + warp) * tpu + sub;
-    const float2* meta = mvd_meta(mv_smem, cols >> 5);
     float tot[MV_R];
 #pragma unroll
     for (int i = 0; i < MV_R; i++) tot[i] = 0.0f;
@@ -1016,28 +1022,7 @@ __device__ __forceinline__ void mv_ahead_q4(const MvMat a, const float* __restri
                 wc[i] = sw[r * C + c];
                 sbc[i] = (u32)ss[r * gpr + g] | ((u32)sbi[r * gpr + g] << 16);
             }
-            // mv_core's DP4A step, unchanged.
-            const uint4* xq = (const uint4*)(mv_smem + c * MVD_CHUNK);
-            int a0[MV_R], a1[MV_R], a2[MV_R];
-#pragma unroll
-            for (int i = 0; i < MV_R; i++) a0[i] = a1[i] = a2[i] = 0;
-#pragma unroll
-            for (int k = 0; k < 4; k += 2) {
-                const uint4 p = xq[3 * (k >> 1)], q = xq[3 * (k >> 1) + 1], r = xq[3 * (k >> 1) + 2];
-#pragma unroll
-                for (int i = 0; i < MV_R; i++) {
-                    mvd_word(mv_word(wc[i], k), p.x, p.y, p.z, p.w, q.x, q.y, a0[i], a1[i], a2[i]);
-                    mvd_word(mv_word(wc[i], k + 1), q.z, q.w, r.x, r.y, r.z, r.w, a0[i], a1[i], a2[i]);
-                }
-            }
-            const float2 mt = meta[c];
-#pragma unroll
-            for (int i = 0; i < MV_R; i++) {
-                const u32 sb = sbc[i];
-                const float scale = __uint_as_float(sb << 16), bias = __uint_as_float(sb & 0xffff0000u);
-                const float sq = fmaf((float)a2[i], 65536.0f, (float)(a1[i] * 256 + a0[i]));
-                tot[i] = fmaf(scale * mt.x, sq, fmaf(bias, mt.y, tot[i]));
-            }
+            mvd_step(wc, sbc, mv_smem, cols >> 5, c, tot);
         }
     }
     tl_mark_at(1);
