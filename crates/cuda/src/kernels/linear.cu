@@ -925,8 +925,9 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
 // the weights do not depend on it, so they stream while it runs or ends, and no register holds
 // them. After the wait the block stages x as mv_core does, each warp waits for its own barrier and
 // computes its tiles from shared memory, with mv_core's arithmetic in mv_core's order (the outputs
-// are bit for bit mv_core's). The host asks for the shared memory (mva_bytes) and sets `ahead`
-// only where this applies (weights.rs: ahead_applies).
+// are bit for bit mv_core's). The host sets a part's bit of `ahead_parts` only where this applies
+// and asks for the shared memory (weights.rs: ahead_bytes). Off by default
+// (`CHERENKOV_MANY_AHEAD=1`): on the H200 it was no faster (benchmark/notes-cuda.md, "Session 35").
 //
 // Dynamic shared memory: x's staging (mv_core's, mva_x_bytes), then the block's rows' chunks
 // (MV_R tpu warps rows of C uint4), their scales, their biases (gpr u16 a row each; gpr a multiple
