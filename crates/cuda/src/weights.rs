@@ -680,7 +680,7 @@ fn launch_many(
                 grid_x = grid_x.max(nb * sp.slices);
                 flat_grid += nb * sp.slices;
                 shmem = shmem.max(sp.shmem);
-                if let Some(bytes) = ahead_bytes(lin, &sp, threads, nb).filter(|_| ahead_ok) {
+                if let Some(bytes) = ahead_ok.then(|| ahead_bytes(lin, &sp, threads, nb)).flatten() {
                     ahead_parts |= 1 << i;
                     ahead_shmem = ahead_shmem.max(bytes);
                 }
