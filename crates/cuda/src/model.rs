@@ -495,10 +495,6 @@ pub struct CudaModel {
     /// that kernel's blocks copy the image instead of converting the output each
     /// ([`MatvecInput::Digits`]; `CHERENKOV_NO_GDN_DIGITS=1`: every block converts it).
     gdn_digits: bool,
-    /// The GDN gate's projection z is computed by blocks of the recurrence's launch
-    /// (`gdn_recurrent_z`), not by the input projection's, where that applies
-    /// ([`crate::weights::z_beside_plan`]; `CHERENKOV_NO_Z_BESIDE=1`: in the input projection).
-    z_beside: bool,
     /// `attend`'s merge applies the attention output gate (x sigmoid(gate)), so that the output
     /// projection stages a plain input (`CHERENKOV_NO_ATTEND_GATE=1`: the projection applies it,
     /// every block computing the sigmoids as it stages).
@@ -851,7 +847,6 @@ impl CudaModel {
             route_sum: std::env::var_os("CHERENKOV_NO_ROUTE_SUM").is_none(),
             read_sum: std::env::var_os("CHERENKOV_NO_READ_SUM").is_none(),
             gdn_digits: std::env::var_os("CHERENKOV_NO_GDN_DIGITS").is_none(),
-            z_beside: std::env::var_os("CHERENKOV_NO_Z_BESIDE").is_none(),
             attend_gate: std::env::var_os("CHERENKOV_NO_ATTEND_GATE").is_none(),
             attend_digits: std::env::var_os("CHERENKOV_NO_ATTEND_DIGITS").is_none(),
             inject_beside: std::env::var_os("CHERENKOV_NO_INJECT_BESIDE").is_none(),
@@ -1737,44 +1732,16 @@ impl CudaModel {
         recurrent: &DevBuf,
         out: MatvecOutput,
     ) -> Result<()> {
-        self.gdn_with(sc, gw, conv, recurrent, out, self.z_beside).map(|_| ())
-    }
-
-    /// [`CudaModel::gdn`], with the gate's projection beside the recurrence where `z_beside` asks
-    /// for it and it applies; returns whether it was.
-    pub(crate) fn gdn_with(
-        &self,
-        sc: &Scratch,
-        gw: &crate::weights::GatedDeltaNet,
-        conv: &DevBuf,
-        recurrent: &DevBuf,
-        out: MatvecOutput,
-        z_beside: bool,
-    ) -> Result<bool> {
         let c = self.config();
         let g = &*self.gpu;
         let [_, z, b, a, conv_out, core, digits] = &sc.big;
-        let (nk, nv, dk, dv) =
-            (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
-        // Columns split over 4 threads holding their rows in registers where the head fits (the
-        // kernel's GDN_SPLIT and GDN_MAX_ROWS), else one thread per column. Both normalise q and k
-        // while staging them (block reductions: whole warps).
-        const SPLIT: usize = 4;
-        let split = dk % SPLIT == 0 && dk / SPLIT <= 32 && dv * SPLIT <= 1024 && (dv * SPLIT).is_multiple_of(32);
-        // The gate's projection beside the recurrence (gdn_recurrent_z, a variant of the split
-        // kernel): the input projection's launch then streams only the qkv, b and a rows.
-        let zb = (z_beside && split && gw.in_proj_z.rows == nv * dv && gw.in_proj_z.cols == c.hidden_size)
-            .then(|| crate::weights::z_beside_plan(g, &gw.in_proj_z, nv, dv * SPLIT))
-            .flatten();
         // The conv rides on the input projection's launch where it can; otherwise it runs in place
         // on the projection's output (one thread per channel reads its input before writing).
         let cd = c.gdn_conv_dim();
         let folded = FoldedConv { state: conv.ptr, w: gw.conv1d.ptr, k: c.linear_conv_kernel_dim, channels: cd };
-        let all =
+        let parts =
             [(&gw.in_proj_qkv, conv_out.ptr), (&gw.in_proj_z, z.ptr), (&gw.in_proj_b, b.ptr), (&gw.in_proj_a, a.ptr)];
-        let without_z = [all[0], all[2], all[3]];
-        let parts: &[_] = if zb.is_some() { &without_z } else { &all };
-        if !matvec_many_conv(g, sc.inp.ptr, parts, Some(folded))? {
+        if !matvec_many_conv(g, sc.inp.ptr, &parts, Some(folded))? {
             g.launch(
                 "gdn_conv",
                 (blocks(cd, 256), 1, 1),
@@ -1790,6 +1757,13 @@ impl CudaModel {
                 ],
             )?;
         }
+        let (nk, nv, dk, dv) =
+            (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
+        // Columns split over 4 threads holding their rows in registers where the head fits (the
+        // kernel's GDN_SPLIT and GDN_MAX_ROWS), else one thread per column. Both normalise q and k
+        // while staging them (block reductions: whole warps).
+        const SPLIT: usize = 4;
+        let split = dk % SPLIT == 0 && dk / SPLIT <= 32 && dv * SPLIT <= 1024 && (dv * SPLIT).is_multiple_of(32);
         let (kernel, threads, shared) = if split {
             ("gdn_recurrent_split", dv * SPLIT, 2 * dk + SPLIT * dv)
         } else {
@@ -1800,45 +1774,32 @@ impl CudaModel {
         // scratch vector's 4), for 4-bit out_proj weights (the only ones staged that way).
         let image = self.gdn_digits && split && dv.is_multiple_of(32) && gw.out_proj.stages_digits();
         let input = if image { MatvecInput::Digits(core.ptr, digits.ptr) } else { MatvecInput::Plain(core.ptr) };
-        let mut args = vec![
-            Arg::Ptr(conv_out.ptr),
-            Arg::Ptr(a.ptr),
-            Arg::Ptr(b.ptr),
-            Arg::Ptr(gw.a_log.ptr),
-            Arg::Ptr(gw.dt_bias.ptr),
-            Arg::Ptr(recurrent.ptr),
-            Arg::Ptr(core.ptr),
-            Arg::I32(nk as i32),
-            Arg::I32(nv as i32),
-            Arg::I32(dk as i32),
-            Arg::I32(dv as i32),
-            // The gated output norm, fused.
-            Arg::Ptr(z.ptr),
-            Arg::Ptr(gw.norm.ptr),
-            Arg::F32(c.rms_norm_eps as f32),
-            Arg::I32(if c.gate_act == GateAct::Sigmoid { 0 } else { 1 }),
-            Arg::Ptr(if image { digits.ptr } else { 0 }),
-        ];
-        match zb {
-            Some(p) => {
-                let zw = &gw.in_proj_z;
-                args.extend([
-                    Arg::Ptr(zw.data),
-                    Arg::Ptr(zw.scales),
-                    Arg::Ptr(zw.biases),
-                    Arg::Ptr(sc.inp.ptr),
-                    Arg::I32(zw.cols as i32),
-                    Arg::I32(p.group_size as i32),
-                    Arg::I32(p.lanes as i32),
-                    Arg::Ptr(crate::weights::z_done_counters(g)),
-                ]);
-                let shmem = (shared * 4).max(p.shmem);
-                g.launch("gdn_recurrent_z", ((p.blocks + nv) as u32, 1, 1), threads as u32, shmem as u32, &args)?;
-            }
-            None => g.launch(kernel, (nv as u32, 1, 1), threads as u32, (shared * 4) as u32, &args)?,
-        }
-        gw.out_proj.matvec_to(g, input, out)?;
-        Ok(zb.is_some())
+        g.launch(
+            kernel,
+            (nv as u32, 1, 1),
+            threads as u32,
+            (shared * 4) as u32,
+            &[
+                Arg::Ptr(conv_out.ptr),
+                Arg::Ptr(a.ptr),
+                Arg::Ptr(b.ptr),
+                Arg::Ptr(gw.a_log.ptr),
+                Arg::Ptr(gw.dt_bias.ptr),
+                Arg::Ptr(recurrent.ptr),
+                Arg::Ptr(core.ptr),
+                Arg::I32(nk as i32),
+                Arg::I32(nv as i32),
+                Arg::I32(dk as i32),
+                Arg::I32(dv as i32),
+                // The gated output norm, fused.
+                Arg::Ptr(z.ptr),
+                Arg::Ptr(gw.norm.ptr),
+                Arg::F32(c.rms_norm_eps as f32),
+                Arg::I32(if c.gate_act == GateAct::Sigmoid { 0 } else { 1 }),
+                Arg::Ptr(if image { digits.ptr } else { 0 }),
+            ],
+        )?;
+        gw.out_proj.matvec_to(g, input, out)
     }
 
     /// Grouped zero-centred RMSNorm of `groups` groups of `group` elements.

@@ -552,52 +552,6 @@ fn plan_tiles(
     TilePlan { lanes, threads, blocks }
 }
 
-/// How `gdn_recurrent_z` (gdn.cu) computes the GDN gate's projection z beside the recurrence.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct ZBeside {
-    /// Lanes a tile of 4 rows.
-    pub lanes: usize,
-    /// The z blocks (the launch's first ones; one block a value head follows them).
-    pub blocks: usize,
-    /// Dynamic shared memory the z blocks stage x in.
-    pub shmem: usize,
-    pub group_size: usize,
-}
-
-/// [`ZBeside`] for the gate projection `z` of `heads` value heads in a launch of `threads`-thread
-/// blocks, if it applies: 4-bit rows in the tiled format, `heads` blocks leaving at least one
-/// multiprocessor free. The blocks of `gdn_recurrent_z` take a whole multiprocessor each (128
-/// registers at 512 threads), so the z blocks get the multiprocessors the heads leave: the most
-/// lanes a tile (the fewest steps a lane) whose single pass fits them, else 8 lanes and as many
-/// passes as needed.
-pub fn z_beside_plan(gpu: &Gpu, z: &DevLinear, heads: usize, threads: usize) -> Option<ZBeside> {
-    let Precision::Affine { bits: 4, group_size } = z.precision else { return None };
-    let shmem = z.tiled_shmem()?;
-    let free = sms(gpu).checked_sub(heads).filter(|&f| f > 0)?;
-    if threads < 32 || !threads.is_multiple_of(32) || !z.rows.is_multiple_of(MV_R) {
-        return None;
-    }
-    let chunks = z.cols / chunk_codes(4);
-    Some(z_beside_for(free, z.rows / MV_R, chunks, threads / 32, shmem, group_size))
-}
-
-/// Where `gdn_recurrent_z` counts its z blocks done and its heads that saw them: words 8 and 9 of
-/// the split scratch's head (`matvec_many`'s per-part counters are words 0-3), zero between
-/// launches.
-pub fn z_done_counters(gpu: &Gpu) -> u64 {
-    gpu.split_scratch.ptr + 8 * 4
-}
-
-/// [`z_beside_plan`] for `free` multiprocessors, `tiles` tiles of `chunks` chunks and blocks of
-/// `warps` warps: lanes from 32 (at most the chunks, rounded up to a power of two) down to 8.
-fn z_beside_for(free: usize, tiles: usize, chunks: usize, warps: usize, shmem: usize, group_size: usize) -> ZBeside {
-    let most = chunks.next_power_of_two().clamp(1, 32);
-    let blocks_at = |lanes: usize| tiles.div_ceil(warps * (32 / lanes));
-    let least = most.min(8);
-    let lanes = [32, 16, 8].into_iter().map(|l| l.min(most)).find(|&l| blocks_at(l) <= free).unwrap_or(least);
-    ZBeside { lanes, blocks: blocks_at(lanes).clamp(1, free), shmem, group_size }
-}
-
 /// A part of a split launch: `slices` column slices, each run with `plan`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SplitPlan {
@@ -1646,23 +1600,6 @@ mod tests {
         assert_eq!(ahead_bytes(&q8, &plan, 256, 160), None);
         let unaligned = DevLinear { scales: qkv.scales + 8, ..qkv };
         assert_eq!(ahead_bytes(&unaligned, &plan, 256, 160), None);
-    }
-
-    #[test]
-    fn the_gate_projection_beside_the_recurrence_takes_the_multiprocessors_the_heads_leave() {
-        // The released shape on an H200: z is 48 heads x 128 rows (1536 tiles), blocks of 16 warps;
-        // the heads leave 84 multiprocessors. 32 lanes would need 96 blocks; 16 lanes need 48.
-        let z = z_beside_for(84, 1536, 80, 16, 10624, 64);
-        assert_eq!((z.lanes, z.blocks), (16, 48));
-        // Room for 96: 32 lanes, 3 of the 80 chunks a lane.
-        let roomy = z_beside_for(96, 1536, 80, 16, 10624, 64);
-        assert_eq!((roomy.lanes, roomy.blocks), (32, 96));
-        // Too few multiprocessors for one pass even at 8 lanes: 8 lanes, every free one, more passes.
-        let few = z_beside_for(10, 1536, 80, 16, 10624, 64);
-        assert_eq!((few.lanes, few.blocks), (8, 10));
-        // Rows of 2 chunks: 2 lanes a tile, 16 tiles in one block of 4 warps.
-        let small = z_beside_for(100, 16, 2, 4, 1024, 32);
-        assert_eq!((small.lanes, small.blocks), (2, 1));
     }
 
     #[test]

@@ -111,33 +111,12 @@ extern "C" __global__ void gdn_recurrent(const float* qkv, const float* a, const
 // its blocks copy that image instead of converting `out` each (MV_IN_DIGITS).
 #define GDN_SPLIT 4
 #define GDN_MAX_ROWS 32
-
-// The gate z's readiness in gdn_recurrent_z: the count of its z blocks done (`zdone[0]`) and of
-// its heads that have seen them all (`zdone[1]`; the last resets both for the next launch).
-// Thread 0 polls with acquire loads; the block's next barrier passes the result on.
-__device__ __forceinline__ void gdn_z_wait(unsigned* zdone, unsigned znb, int nv) {
-    if (threadIdx.x == 0) {
-        unsigned v;
-        for (;;) {
-            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(zdone) : "memory");
-            if (v >= znb) break;
-            __nanosleep(32);
-        }
-        if (atomicAdd(zdone + 1, 1u) == (unsigned)nv - 1u) {
-            atomicExch(zdone, 0u);
-            atomicExch(zdone + 1, 0u);
-        }
-    }
-}
-
-// The body of gdn_recurrent_split for value head hv. ZWAIT (gdn_recurrent_z): z is written by
-// other blocks of the same launch, so it is read only after gdn_z_wait, with loads that skip L1.
-template <bool ZWAIT>
-__device__ __forceinline__ void gdn_split_head(int hv, const float* qkv, const float* a, const float* b,
-                                               const float* A_log, const float* dt_bias, float* S, float* out, int nk,
-                                               int nv, int dk, int dv, const float* z, const float* norm_w, float eps,
-                                               int act, u32* digits, unsigned* zdone, unsigned znb) {
+extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_split(const float* qkv, const float* a, const float* b, const float* A_log,
+                                               const float* dt_bias, float* S, float* out, int nk, int nv, int dk, int dv,
+                                               const float* z, const float* norm_w, float eps, int act, u32* digits) {
+    KSPAN;
     extern __shared__ float sh[];
+    const int hv = blockIdx.x;
     const int j = threadIdx.x % dv, r = threadIdx.x / dv;
     const int rows = dk / GDN_SPLIT, i0 = r * rows;
     float* s = S + (size_t)hv * dk * dv + (size_t)i0 * dv + j;
@@ -159,8 +138,7 @@ __device__ __forceinline__ void gdn_split_head(int hv, const float* qkv, const f
     const float wj = norm_w[j];
     grid_enter();
     const float* vrow = qkv + (size_t)2 * nk * dk + (size_t)hv * dv;
-    const float vj = vrow[j], bh = b[hv], ah = a[hv];
-    float zj = ZWAIT ? 0.0f : z[(size_t)hv * dv + j];
+    const float vj = vrow[j], bh = b[hv], ah = a[hv], zj = z[(size_t)hv * dv + j];
     gdn_stage_qk(qkv, sh, hv, nk, nv, dk, dv);
 #else
     grid_enter();
@@ -196,11 +174,8 @@ __device__ __forceinline__ void gdn_split_head(int hv, const float* qkv, const f
     }
     __syncthreads();
     part[r * dv + j] = y;
-    if (ZWAIT) gdn_z_wait(zdone, znb, nv);
     __syncthreads();
 #ifndef GDN_TAIL_LATE
-    // (ZWAIT: z is ready since the barrier above; its load overlaps the sums below.)
-    if (ZWAIT && r == 0) zj = __ldcg(z + (size_t)hv * dv + j);
     // Threads r == 0 (threadIdx.x < dv) hold the head's outputs: gdn_gated_norm's sum of squares
     // over the same threads in the same order, and its expression.
     if (r == 0) {
@@ -227,49 +202,4 @@ __device__ __forceinline__ void gdn_split_head(int hv, const float* qkv, const f
     __syncthreads();
     if (digits && threadIdx.x < dv) mvd_put_chunk(digits, nv * dv / 32, (hv * dv + j) / 32, out[(size_t)hv * dv + j]);
 #endif
-}
-
-extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_split(const float* qkv, const float* a, const float* b, const float* A_log,
-                                               const float* dt_bias, float* S, float* out, int nk, int nv, int dk, int dv,
-                                               const float* z, const float* norm_w, float eps, int act, u32* digits) {
-    KSPAN;
-    gdn_split_head<false>(blockIdx.x, qkv, a, b, A_log, dt_bias, S, out, nk, nv, dk, dv, z, norm_w, eps, act, digits,
-                          nullptr, 0u);
-}
-
-// gdn_recurrent_split with the gate's projection z = W_z x in the same launch (the input
-// projection's launch then leaves it out, and its 4-bit rows stream while the recurrence, a
-// latency-bound launch of one block a value head, leaves most multiprocessors idle). Blocks
-// [0, znb) are the tiled core's over W_z (4-bit, zL lanes a tile; `x` the input projection's
-// input); each, once its tiles are written, counts itself done in zdone[0]. Blocks [znb, znb + nv)
-// are the heads' recurrences, which read z only at their gated norm, after gdn_z_wait. No z block
-// waits for anything but the previous kernel, so the heads' waits end: every block of the launch
-// is placed before the next kernel's blocks (each block's grid_enter releases them only once all
-// have run it). `zdone`: two counters, zero before the launch and zero after it.
-extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_z(const float* qkv, const float* a, const float* b, const float* A_log,
-                                               const float* dt_bias, float* S, float* out, int nk, int nv, int dk, int dv,
-                                               float* z, const float* norm_w, float eps, int act, u32* digits,
-                                               const u32* zW, const u16* zS, const u16* zB, const float* x, int zcols,
-                                               int zgs, int zL, unsigned* zdone) {
-    KSPAN;
-    const unsigned znb = gridDim.x - (unsigned)nv;
-    if (blockIdx.x < znb) {
-        typedef MvFmt<4> F;
-        const int zrows = nv * dv, C = zcols / F::CPC, gpr = zcols / zgs, gshift = __ffs(zgs) - 1;
-        const MvMat m{(const uint4*)zW, zS, zB};
-        mv_core<4, MV_PLAIN, true>(m, m, x, MV_IN_NONE, zrows, C, C, gpr, gshift, zL, blockIdx.x, znb,
-                                   [&](int tile, const float* v) {
-#pragma unroll
-                                       for (int i = 0; i < MV_R; i++) {
-                                           if (tile * MV_R + i < zrows) z[tile * MV_R + i] = v[i];
-                                       }
-                                   });
-        // Every tile of the block written (and visible at the device's scope) before it counts.
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) atomicAdd(zdone, 1u);
-        return;
-    }
-    gdn_split_head<true>(blockIdx.x - znb, qkv, a, b, A_log, dt_bias, S, out, nk, nv, dk, dv, z, norm_w, eps, act,
-                         digits, zdone, znb);
 }
