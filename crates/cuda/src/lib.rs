@@ -9,7 +9,6 @@
 //! - [`slots`]: device expert slots behind the shared residency manager.
 //! - [`pinned`]: the store's expert file pinned for the copy engine.
 //! - [`offload`]: which misses the CPU computes instead of copying (`--cpu-experts`).
-//! - [`noise`]: the benchmark's synthetic-router noise, drawn off the step's thread.
 //! - [`session`]: a sequence's decode state in device memory.
 //! - [`timeline`]: one step's kernels on a time line (`CHERENKOV_TIMELINE`), a measurement.
 //! - [`model`]: the forward and the [`cherenkov_engine::backend::Backend`] implementation.
@@ -18,7 +17,6 @@ pub mod check;
 pub mod compile;
 pub mod gpu;
 pub mod model;
-pub mod noise;
 pub mod offload;
 pub mod pinned;
 pub mod session;

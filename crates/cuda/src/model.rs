@@ -67,15 +67,6 @@ fn noise_in_block() -> bool {
     *IN_BLOCK.get_or_init(|| std::env::var_os("CHERENKOV_NOISE_IN_BLOCK").is_some())
 }
 
-/// Whether the step's thread draws the synthetic routers' noise itself, between its blocks' turns
-/// (`CHERENKOV_NOISE_HERE=1`, as before session 36), instead of the noise thread
-/// ([`crate::noise`]).
-fn noise_here() -> bool {
-    use std::sync::OnceLock;
-    static HERE: OnceLock<bool> = OnceLock::new();
-    *HERE.get_or_init(|| std::env::var_os("CHERENKOV_NOISE_HERE").is_some())
-}
-
 /// Whether the attention runs `attn_prep` (one launch) between its projections and `attend`;
 /// `CHERENKOV_NO_FUSED_ATTN_PREP` gives the separate launches it replaced.
 fn fused_attn_prep() -> bool {
@@ -414,8 +405,8 @@ pub(crate) struct MoeStep<'p> {
     /// record cannot be read as a clock).
     untimed: bool,
     /// Streamed MoE layers whose synthetic-router noise for the next token is still to be drawn
-    /// (the benchmark's): handed to the noise thread ([`crate::noise`]) at the next turn, not
-    /// drawn between a block's combination and the next layer's kernels.
+    /// (the benchmark's): drawn while the host waits for the next block's router, not between a
+    /// block's combination and the next layer's kernels.
     noise: Vec<usize>,
     /// The next block's head ([`CudaModel::moe_head`]) is on the stream already (replayed with
     /// its layer's segment graph); `moe` clears it.
@@ -460,8 +451,6 @@ pub struct CudaModel {
     pub pool: Arc<ExpertPool<DeviceSlots>>,
     /// Synthetic-benchmark routing (None: the model's router decides).
     pub skew: Option<Arc<cherenkov_engine::routing::SkewedRouting>>,
-    /// The thread that draws the synthetic routers' noise ([`CudaModel::draw_noise`]).
-    noise: crate::noise::NoiseDrawer,
     /// Lookahead: apply the next layer's router to this layer's MoE input and prefetch its experts
     /// behind the step's own misses.
     pub lookahead: bool,
@@ -841,7 +830,6 @@ impl CudaModel {
             gpu,
             pool,
             skew: None,
-            noise: Default::default(),
             lookahead: true,
             lookahead_width: std::env::var("CHERENKOV_LOOKAHEAD_WIDTH")
                 .ok()
@@ -1022,10 +1010,8 @@ impl CudaModel {
             self.queue_step(s, sc, want, &mut st)?;
         }
         // The benchmark's synthetic routers draw the next token's noise while the device runs
-        // this step, not before the next step's work is queued (a streamed block's went to the
-        // noise thread already: done before the loop below looks for what is missing, and before
-        // the step's end moves the routers on to the next token).
-        self.noise.wait();
+        // this step, not before the next step's work is queued (a streamed block drew its own
+        // layer's already).
         if let Some(sk) = &self.skew {
             for layer in self.weights.layers.iter().take(self.depth) {
                 sk.prepare_noise(layer.moe.expert_slot, c.num_experts, false);
@@ -1421,8 +1407,6 @@ impl CudaModel {
         let queue_ns = st.queued_ns.unwrap_or_else(|| st.start.elapsed().as_nanos() as u64);
         self.gpu.sync()?;
         drop(st.pending);
-        // The noise thread's draws for the next token, before `observe` moves the routers there.
-        self.noise.wait();
         let c = self.config();
         let (k, e) = (c.num_experts_per_tok, c.num_experts);
         let mb = &sc.moe;
@@ -2677,18 +2661,15 @@ impl CudaModel {
 
     /// Ends a streamed block's turn: the synthetic routers' next noise for this layer (the
     /// benchmark's), with its estimate where a lookahead will predict it: 19 us of host time on
-    /// the build machine (9.6 without the estimate), handed to the noise thread at the next turn
+    /// the build machine (9.6 without the estimate), drawn while the next block's router runs
     /// (`draw_noise`), where it delays no kernel: drawn here, it held up the next layer's first
-    /// kernel by about 10 us a block (`CHERENKOV_NOISE_IN_BLOCK=1` has it drawn here, a
-    /// measurement knob). The slots stay leased until a later event shows the block's kernels
-    /// finished.
+    /// kernel by about 10 us a block (`CHERENKOV_NOISE_IN_BLOCK=1` draws it here, a measurement
+    /// knob). The slots stay leased until a later event shows the block's kernels finished.
     fn end_block<'p>(&self, st: &mut MoeStep<'p>, l: usize, lease: Lease<'p, DeviceSlots>) {
-        if let Some(sk) = &self.skew {
+        if self.skew.is_some() {
             st.noise.push(l);
             if noise_in_block() {
-                for l in st.noise.drain(..) {
-                    sk.prepare_noise(l, self.config().num_experts, self.lookahead);
-                }
+                self.draw_noise(st);
             }
         }
         st.pending = Some(lease);
@@ -2941,17 +2922,11 @@ impl CudaModel {
         }
     }
 
-    /// Has the synthetic routers' noise of the layers `st` holds ([`MoeStep::noise`]) drawn: by
-    /// the noise thread, or here with `CHERENKOV_NOISE_HERE=1`.
+    /// Draws the synthetic routers' noise of the layers `st` holds ([`MoeStep::noise`]).
     fn draw_noise(&self, st: &mut MoeStep<'_>) {
         if let Some(sk) = &self.skew {
-            let e = self.config().num_experts;
             for l in st.noise.drain(..) {
-                if noise_here() {
-                    sk.prepare_noise(l, e, self.lookahead);
-                } else {
-                    self.noise.draw(sk, l, e, self.lookahead);
-                }
+                sk.prepare_noise(l, self.config().num_experts, self.lookahead);
             }
         }
     }
