@@ -136,6 +136,59 @@ pub struct FlaggedTurns {
     pub marks: [u64; 5],
 }
 
+/// One flagged block's turn, for the per-block table `CHERENKOV_FLAG_BLOCKS=path` appends to
+/// ([`CudaModel::write_flag_rows`]): what the lease found and queued, and the turn's marks (ns,
+/// the host's clock, from the router's flag seen; `router_wait_ns` before it).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct FlagRow {
+    layer: usize,
+    /// Entries the lease queued reads for, entries being read already (prefetches still
+    /// copying), entries the router did not find in the hit map, and whether any of those was
+    /// still copying when the block's flags were set.
+    misses: usize,
+    inflight: usize,
+    rest: usize,
+    copying: bool,
+    /// The lookahead's reads this turn queued.
+    prefetched: usize,
+    router_wait_ns: u64,
+    marks: [u64; 5],
+}
+
+/// Where `CHERENKOV_FLAG_BLOCKS` sends its rows (None: nowhere), and the model's number in them.
+fn flag_blocks_path() -> Option<&'static std::path::Path> {
+    use std::sync::OnceLock;
+    static PATH: OnceLock<Option<std::path::PathBuf>> = OnceLock::new();
+    PATH.get_or_init(|| std::env::var_os("CHERENKOV_FLAG_BLOCKS").map(std::path::PathBuf::from)).as_deref()
+}
+
+/// The header of the `CHERENKOV_FLAG_BLOCKS` table; [`flag_row_line`] writes its rows.
+pub const FLAG_ROW_HEADER: &str = "model\tstep\tlayer\tmisses\tinflight\trest\tcopying\tprefetched\t\
+router_wait_us\tlease_us\tflags_us\tlookahead_us\tturn_flag_us\tturn_end_us\t\
+start_us\twait_began_us\twait_past_us\tcombine_us";
+
+/// One row of the `CHERENKOV_FLAG_BLOCKS` table: the turn (`r`, host clock) and the block's GPU
+/// clock stamps `s` (experts started, combination started, past its flag's wait, began to wait),
+/// in us from `origin` (the step's first block's start on the GPU's clock).
+fn flag_row_line(model: usize, step: u64, r: &FlagRow, s: [u64; 4], origin: u64) -> String {
+    let us = |ns: u64| format!("{:.3}", ns as f64 / 1e3);
+    let gpu = |t: u64| if t >= origin && t > 0 { us(t - origin) } else { "-".to_string() };
+    let mut cols = vec![
+        model.to_string(),
+        step.to_string(),
+        r.layer.to_string(),
+        r.misses.to_string(),
+        r.inflight.to_string(),
+        r.rest.to_string(),
+        u8::from(r.copying).to_string(),
+        r.prefetched.to_string(),
+        us(r.router_wait_ns),
+    ];
+    cols.extend(r.marks.iter().map(|&m| us(m)));
+    cols.extend([gpu(s[0]), gpu(s[3]), gpu(s[2]), gpu(s[1])]);
+    cols.join("\t")
+}
+
 impl FlaggedTurns {
     fn add(&mut self, o: &FlaggedTurns) {
         self.blocks += o.blocks;
@@ -379,6 +432,8 @@ pub(crate) struct MoeStep<'p> {
     /// MoE layers of a flagged step whose read experts' wait for their flag was stamped
     /// ([`MoeBufs::stamps`]): their waiting is the GPU's, from the found experts' end to the wait's.
     flag_waited: Vec<usize>,
+    /// The flagged turns of this step, for `CHERENKOV_FLAG_BLOCKS` ([`FlagRow`]).
+    flag_rows: Vec<FlagRow>,
     /// Timed blocks in step order (their router-ready events recorded): the MoE layer and the
     /// slots its read experts were copied into.
     blocks: Vec<(usize, Vec<usize>)>,
@@ -425,6 +480,7 @@ impl MoeStep<'_> {
             found: Vec::new(),
             gpu_waited: Vec::new(),
             flag_waited: Vec::new(),
+            flag_rows: Vec::new(),
             flagged: FlaggedTurns::default(),
             blocks: Vec::new(),
             host_turn_ns: 0,
@@ -451,6 +507,10 @@ pub struct CudaModel {
     pub pool: Arc<ExpertPool<DeviceSlots>>,
     /// Synthetic-benchmark routing (None: the model's router decides).
     pub skew: Option<Arc<cherenkov_engine::routing::SkewedRouting>>,
+    /// This model's number in the `CHERENKOV_FLAG_BLOCKS` table (models of one process count
+    /// from 0), and its flagged steps written there so far.
+    model_no: usize,
+    flag_steps: std::sync::atomic::AtomicU64,
     /// Lookahead: apply the next layer's router to this layer's MoE input and prefetch its experts
     /// behind the step's own misses.
     pub lookahead: bool,
@@ -830,6 +890,11 @@ impl CudaModel {
             gpu,
             pool,
             skew: None,
+            model_no: {
+                static MODELS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+                MODELS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            },
+            flag_steps: std::sync::atomic::AtomicU64::new(0),
             lookahead: true,
             lookahead_width: std::env::var("CHERENKOV_LOOKAHEAD_WIDTH")
                 .ok()
@@ -1300,7 +1365,7 @@ impl CudaModel {
             self.pool.replay_ghosts();
         }
         let here = self.prefetch_here;
-        self.queue_lookahead(mb, l, &experts, ahead_of, here != PrefetchHere::Threads)?;
+        let prefetched = self.queue_lookahead(mb, l, &experts, ahead_of, here != PrefetchHere::Threads)?;
         if here == PrefetchHere::BeforeTurn {
             self.pool.load_prefetches();
         }
@@ -1315,10 +1380,23 @@ impl CudaModel {
             self.pool.replay_ghosts();
         }
         marks[4] = since(Instant::now());
+        let router_wait_ns = seen.duration_since(waiting).as_nanos() as u64;
         let f = &mut st.flagged;
         f.blocks += 1;
-        f.router_wait_ns += seen.duration_since(waiting).as_nanos() as u64;
+        f.router_wait_ns += router_wait_ns;
         (0..5).for_each(|i| f.marks[i] += marks[i]);
+        if flag_blocks_path().is_some() && !st.untimed {
+            st.flag_rows.push(FlagRow {
+                layer: l,
+                misses: lease.misses(),
+                inflight: lease.inflight(),
+                rest: rest.len(),
+                copying,
+                prefetched,
+                router_wait_ns,
+                marks,
+            });
+        }
         self.end_block(st, l, lease);
         Ok(())
     }
@@ -1474,6 +1552,9 @@ impl CudaModel {
             self.pool.record_compute(l, ns);
             experts_ns += ns;
         }
+        if !st.flag_rows.is_empty() {
+            self.write_flag_rows(mb, &st.flag_rows);
+        }
         let anatomy = if st.untimed || !self.anatomy {
             BlockAnatomy::default()
         } else {
@@ -1497,6 +1578,48 @@ impl CudaModel {
             t.cpu_wait_ns += st.cpu_wait_ns;
         });
         Ok(())
+    }
+
+    /// Appends a flagged step's per-block rows to the `CHERENKOV_FLAG_BLOCKS` table (its header
+    /// first where the file is new); a file that cannot be written is reported once and then
+    /// left alone, since the table is a measurement and the step's results do not depend on it.
+    fn write_flag_rows(&self, mb: &MoeBufs, rows: &[FlagRow]) {
+        use std::io::Write;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        static FAILED: AtomicBool = AtomicBool::new(false);
+        let Some(path) = flag_blocks_path() else { return };
+        if FAILED.load(Ordering::Relaxed) {
+            return;
+        }
+        // SAFETY: written by this step's kernels, which ended with the stream sync before the
+        // caller; in bounds (STAMPS u64 a MoE layer).
+        let stamps = |l: usize| -> [u64; 4] {
+            unsafe {
+                let p = mb.stamps.host.cast::<u64>().add(l * STAMPS);
+                [p.read_volatile(), p.add(1).read_volatile(), p.add(2).read_volatile(), p.add(3).read_volatile()]
+            }
+        };
+        let origin = rows.iter().map(|r| stamps(r.layer)[0]).filter(|&t| t > 0).min().unwrap_or(0);
+        let step = self.flag_steps.fetch_add(1, Ordering::Relaxed);
+        let mut text = String::new();
+        for r in rows {
+            text.push_str(&flag_row_line(self.model_no, step, r, stamps(r.layer), origin));
+            text.push('\n');
+        }
+        let fresh = !path.exists();
+        let written = std::fs::OpenOptions::new().create(true).append(true).open(path).and_then(|mut f| {
+            if fresh {
+                writeln!(f, "{FLAG_ROW_HEADER}")?;
+            }
+            f.write_all(text.as_bytes())
+        });
+        if let Err(e) = written {
+            FAILED.store(true, Ordering::Relaxed);
+            eprintln!(
+                "warning: CHERENKOV_FLAG_BLOCKS: cannot append to {}: {e}; no more rows are written",
+                path.display()
+            );
+        }
     }
 
     /// The timed blocks' anatomy (see [`BlockAnatomy`]), read from their events once the step has
@@ -2639,12 +2762,13 @@ impl CudaModel {
         ahead_of: Option<&crate::weights::Moe>,
     ) -> Result<()> {
         self.pool.replay_ghosts();
-        self.queue_lookahead(mb, l, experts, ahead_of, false)
+        self.queue_lookahead(mb, l, experts, ahead_of, false).map(|_| ())
     }
 
     /// The lookahead's reads for the block `ahead_of` predicts, once its router's prediction is
     /// ready ([`CudaModel::look_ahead`]); `unwoken`: left queued for this thread to run
-    /// ([`ExpertPool::load_prefetches`]) instead of waking an IO thread.
+    /// ([`ExpertPool::load_prefetches`]) instead of waking an IO thread. Returns how many reads it
+    /// queued.
     fn queue_lookahead(
         &self,
         mb: &MoeBufs,
@@ -2652,7 +2776,7 @@ impl CudaModel {
         experts: &[usize],
         ahead_of: Option<&crate::weights::Moe>,
         unwoken: bool,
-    ) -> Result<()> {
+    ) -> Result<usize> {
         if ahead_of.is_some() {
             mb.events[l][5].wait()?;
         }
@@ -3252,7 +3376,7 @@ impl CudaModel {
 
     /// Scores the last prediction for layer `l` against `actual`; then takes the lookahead's
     /// prediction for the next block (computed on the device before the router-ready event) and
-    /// queues its reads behind this step's misses.
+    /// queues its reads behind this step's misses. Returns how many reads it queued.
     fn look_ahead(
         &self,
         mb: &MoeBufs,
@@ -3260,12 +3384,12 @@ impl CudaModel {
         actual: &[usize],
         next: Option<&crate::weights::Moe>,
         unwoken: bool,
-    ) -> Result<()> {
+    ) -> Result<usize> {
         let mut pred = self.predicted.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(p) = pred[l].take() {
             self.pool.record_lookahead(l, &p, actual);
         }
-        let Some(n) = next else { return Ok(()) };
+        let Some(n) = next else { return Ok(0) };
         let k = self.config().num_experts_per_tok;
         let nl = n.expert_slot;
         // SAFETY: written by a kernel that finished before the prediction-ready event the caller
@@ -3280,19 +3404,17 @@ impl CudaModel {
         // driver calls delayed the block's next launches, and a streamed layer took 0.240-0.265 ms
         // against 0.218-0.219, measured. A flagged turn launches nothing, and runs them itself
         // (`unwoken`; `CudaModel::turn_flagged`).
-        match self.lookahead_reads {
+        let queued = match self.lookahead_reads {
             Some(most) => {
                 let absent = self.pool.absent(nl, &guess);
                 let reads: Vec<usize> =
                     guess.iter().zip(absent).filter(|(_, a)| *a).map(|(&e, _)| e).take(most).collect();
-                self.prefetch(nl, &reads, unwoken);
+                self.prefetch(nl, &reads, unwoken)
             }
-            None => {
-                self.prefetch(nl, &guess, unwoken);
-            }
-        }
+            None => self.prefetch(nl, &guess, unwoken),
+        };
         pred[nl] = Some(guess[..k].to_vec());
-        Ok(())
+        Ok(queued)
     }
 
     /// Queues the pool's reads of `experts` of MoE layer `layer`: woken IO threads run them, or
@@ -3398,6 +3520,31 @@ impl Backend for CudaModel {
 mod tests {
     use super::*;
     use cherenkov_model::store::Span;
+
+    #[test]
+    fn a_flagged_blocks_row_has_a_column_for_every_header_and_its_stamps_from_the_steps_start() {
+        let r = FlagRow {
+            layer: 3,
+            misses: 1,
+            inflight: 2,
+            rest: 3,
+            copying: true,
+            prefetched: 2,
+            router_wait_ns: 81_500,
+            marks: [9_000, 15_250, 27_000, 30_000, 36_000],
+        };
+        // Experts started, combination started, past the wait, began to wait (GPU ns).
+        let line = flag_row_line(1, 7, &r, [1_010_000, 1_090_500, 1_060_000, 1_020_000], 1_000_000);
+        let cols: Vec<&str> = line.split('\t').collect();
+        assert_eq!(cols.len(), FLAG_ROW_HEADER.split('\t').count());
+        assert_eq!(cols[..9], ["1", "7", "3", "1", "2", "3", "1", "2", "81.500"]);
+        assert_eq!(cols[9..14], ["9.000", "15.250", "27.000", "30.000", "36.000"]);
+        // start, wait began, wait past, combination.
+        assert_eq!(cols[14..], ["10.000", "20.000", "60.000", "90.500"]);
+        // A stamp its kernel never wrote (0) is no time.
+        let unwritten = flag_row_line(1, 7, &r, [1_010_000, 0, 0, 0], 1_000_000);
+        assert!(unwritten.ends_with("10.000\t-\t-\t-"), "{unwritten}");
+    }
 
     #[test]
     fn a_layers_entries_hold_its_table_then_its_ranks_with_the_next_table_aligned() {

@@ -199,3 +199,43 @@ fn the_heads_and_tails_script_splits_each_block_at_its_router() {
     assert!(out.contains("step 95 us, 2 blocks, heads 15 us, tails 70 us"), "{out}");
     assert!(out.contains("tails: 30.0 40.0"), "{out}");
 }
+
+/// A `CHERENKOV_FLAG_BLOCKS` table (the header as `CudaModel` writes it): model 0, two steps of
+/// two blocks. Step 0: a block with a demand miss (waits 40 us), then one whose only missing
+/// expert was a prefetch still copying (waits 10 us), 20 us of head between them. Step 1: a block
+/// the router found whole (waits 2 us), then one whose missing expert had landed (no stamps of its
+/// wait: "-"). A row of another width (a truncated write) is skipped.
+fn flag_table() -> String {
+    let header = cherenkov_cuda::model::FLAG_ROW_HEADER;
+    let rows = [
+        "0\t0\t0\t1\t0\t1\t1\t2\t80\t12\t20\t35\t38\t45\t0\t10\t50\t60",
+        "0\t0\t1\t0\t1\t1\t1\t1\t70\t6\t10\t25\t28\t35\t80\t90\t100\t110",
+        "0\t1\t0\t0\t0\t0\t0\t2\t90\t5\t8\t20\t23\t30\t0\t15\t17\t25",
+        "0\t1\t1\t0\t0\t1\t0\t0\t60\t7\t11\t22\t25\t31\t40\t-\t-\t70",
+        "0\t1\t2\t0",
+    ];
+    format!("{header}\n{}\n", rows.join("\n"))
+}
+
+#[test]
+fn the_flag_blocks_script_puts_each_block_in_its_class() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("flags.tsv");
+    std::fs::write(&path, flag_table()).unwrap();
+    let out = Command::new("python3").arg(script("flag_blocks.py")).arg(&path).output().expect("python3 runs");
+    assert!(out.status.success(), "flag_blocks.py failed: {}", String::from_utf8_lossy(&out.stderr));
+    let out = String::from_utf8(out.stdout).expect("UTF-8 output");
+    let row = |class: &str| -> Vec<String> {
+        let line = out.lines().find(|l| l.starts_with(class)).unwrap_or_else(|| panic!("no {class} row in:\n{out}"));
+        line.split_whitespace().map(str::to_string).collect()
+    };
+    assert!(out.contains("model 0: 4 blocks in 2 steps"), "{out}");
+    // class, blocks, share, wait, experts' span, head before the next block, lease, flags, reads
+    // queued, prefetches a block.
+    assert_eq!(row("misses")[1..], ["1", "25.0%", "40.0", "60.0", "20.0", "12.0", "20.0", "35.0", "2.00"]);
+    assert_eq!(row("prefetched")[1..], ["1", "25.0%", "10.0", "30.0", "-", "6.0", "10.0", "25.0", "1.00"]);
+    assert_eq!(row("found")[1..], ["1", "25.0%", "2.0", "25.0", "15.0", "5.0", "8.0", "20.0", "2.00"]);
+    assert_eq!(row("landed")[1..4], ["1", "25.0%", "-"]);
+    // 40 + 10 + 2 us over 2 steps.
+    assert!(out.contains("GPU wait for flags: 0.026 ms a step"), "{out}");
+}

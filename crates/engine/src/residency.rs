@@ -864,6 +864,10 @@ pub struct Lease<'a, M: SlotMemory> {
     layer: usize,
     entries: Vec<LeaseEntry>,
     pins: Vec<Pin>,
+    /// Entries that were being read already when acquired (a prefetch), and those whose reads this
+    /// acquire queued.
+    inflight: usize,
+    misses: usize,
 }
 
 impl<M: SlotMemory> ExpertPool<M> {
@@ -1133,7 +1137,8 @@ impl<M: SlotMemory> ExpertPool<M> {
         self.record_blocked(layer, blocked);
         self.shared.counters.record_acquire(layer, hits, inflight, misses);
         let pins = pins.into_iter().map(|p| p.expect("every entry was assigned")).collect();
-        Ok(Lease { pool: self, layer, entries, pins })
+        let (inflight, misses) = (inflight as usize, misses as usize);
+        Ok(Lease { pool: self, layer, entries, pins, inflight, misses })
     }
 
     fn record_blocked(&self, layer: usize, since: Option<Instant>) {
@@ -1603,6 +1608,16 @@ impl<'a, M: SlotMemory> Lease<'a, M> {
     /// The experts in request order.
     pub fn entries(&self) -> &[LeaseEntry] {
         &self.entries
+    }
+
+    /// How many entries were being read already when acquired (prefetches still loading).
+    pub fn inflight(&self) -> usize {
+        self.inflight
+    }
+
+    /// How many entries the acquire found missing and queued reads for.
+    pub fn misses(&self) -> usize {
+        self.misses
     }
 
     pub fn len(&self) -> usize {

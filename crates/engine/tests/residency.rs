@@ -885,6 +885,19 @@ fn pool_with_its_thread_blocked(f: &Fixture, layer: usize) -> (ExpertPool<Thread
 }
 
 #[test]
+fn a_lease_counts_the_reads_in_flight_and_the_misses_it_queued() {
+    let f = fixture();
+    // Expert 4 of layer 3 is being read (the IO thread's prefetch, blocked at the gate).
+    let (pool, _gated, _open) = pool_with_its_thread_blocked(&f, 3);
+    let lease = pool.acquire_loading(3, &[4, 2, 5]).unwrap();
+    assert_eq!((lease.inflight(), lease.misses()), (1, 2));
+    drop(lease);
+    // Read by this thread above: hits now.
+    let again = pool.acquire_loading(3, &[2, 5]).unwrap();
+    assert_eq!((again.inflight(), again.misses()), (0, 0));
+}
+
+#[test]
 fn a_step_can_run_its_own_queued_reads() {
     let f = fixture();
     // The one IO thread takes a prefetch of expert 4 of layer 1 and blocks at the gate: only this
