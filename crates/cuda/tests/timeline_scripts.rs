@@ -15,14 +15,19 @@ fn row_of(name: &str) -> Vec<String> {
     row_in(name, &records())
 }
 
-/// The columns of `name`'s row for kernel `k`, run on `records`.
-fn row_in(name: &str, records: &str) -> Vec<String> {
+/// What script `name` prints, run on a file `file` holding `text`.
+fn output_of(name: &str, file: &str, text: &str) -> String {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tl-step1.blocks.tsv");
-    std::fs::write(&path, records).unwrap();
+    let path = dir.path().join(file);
+    std::fs::write(&path, text).unwrap();
     let out = Command::new("python3").arg(script(name)).arg(&path).output().expect("python3 runs");
     assert!(out.status.success(), "{name} failed: {}", String::from_utf8_lossy(&out.stderr));
-    let out = String::from_utf8(out.stdout).expect("UTF-8 output");
+    String::from_utf8(out.stdout).expect("UTF-8 output")
+}
+
+/// The columns of `name`'s row for kernel `k`, run on `records`.
+fn row_in(name: &str, records: &str) -> Vec<String> {
+    let out = output_of(name, "tl-step1.blocks.tsv", records);
     let row = out.lines().find(|l| l.starts_with("k ")).unwrap_or_else(|| panic!("no row for k in:\n{out}"));
     row.split_whitespace().map(str::to_string).collect()
 }
@@ -189,12 +194,7 @@ fn streamed_table() -> String {
 
 #[test]
 fn the_heads_and_tails_script_splits_each_block_at_its_router() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tl-step1.tsv");
-    std::fs::write(&path, streamed_table()).unwrap();
-    let out = Command::new("python3").arg(script("timeline_heads_tails.py")).arg(&path).output().expect("python3 runs");
-    assert!(out.status.success(), "timeline_heads_tails.py failed: {}", String::from_utf8_lossy(&out.stderr));
-    let out = String::from_utf8(out.stdout).expect("UTF-8 output");
+    let out = output_of("timeline_heads_tails.py", "tl-step1.tsv", &streamed_table());
     // Block 2's head: 40 to 55; the first block's is left out. Tails: 10 to 40, 55 to 95.
     assert!(out.contains("step 95 us, 2 blocks, heads 15 us, tails 70 us"), "{out}");
     assert!(out.contains("tails: 30.0 40.0"), "{out}");
@@ -219,12 +219,7 @@ fn flag_table() -> String {
 
 #[test]
 fn the_flag_blocks_script_puts_each_block_in_its_class() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("flags.tsv");
-    std::fs::write(&path, flag_table()).unwrap();
-    let out = Command::new("python3").arg(script("flag_blocks.py")).arg(&path).output().expect("python3 runs");
-    assert!(out.status.success(), "flag_blocks.py failed: {}", String::from_utf8_lossy(&out.stderr));
-    let out = String::from_utf8(out.stdout).expect("UTF-8 output");
+    let out = output_of("flag_blocks.py", "flags.tsv", &flag_table());
     let row = |class: &str| -> Vec<String> {
         let line = out.lines().find(|l| l.starts_with(class)).unwrap_or_else(|| panic!("no {class} row in:\n{out}"));
         line.split_whitespace().map(str::to_string).collect()
