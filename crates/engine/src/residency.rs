@@ -864,8 +864,8 @@ pub struct Lease<'a, M: SlotMemory> {
     layer: usize,
     entries: Vec<LeaseEntry>,
     pins: Vec<Pin>,
-    /// Entries that were being read already when acquired (a prefetch), and those whose reads this
-    /// acquire queued.
+    /// Entries that were being read already when acquired (a prefetch, or another lease's miss),
+    /// and those whose reads this acquire queued.
     inflight: usize,
     misses: usize,
 }
@@ -1610,7 +1610,8 @@ impl<'a, M: SlotMemory> Lease<'a, M> {
         &self.entries
     }
 
-    /// How many entries were being read already when acquired (prefetches still loading).
+    /// How many entries were being read already when acquired (a prefetch still loading, or
+    /// another lease's miss).
     pub fn inflight(&self) -> usize {
         self.inflight
     }
