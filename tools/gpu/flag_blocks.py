@@ -3,7 +3,7 @@
 `CHERENKOV_FLAG_BLOCKS=path` (flagged steps only: the default streamed step, `CHERENKOV_STEP_GRAPH`),
 one row per timed MoE block.
 
-    tools/gpu/flag_blocks.py PATH [MODEL]
+    tools/gpu/flag_blocks.py [--last N] PATH [MODEL]
 
 Each row holds what the block's lease found (`misses`: reads it queued; `inflight`: prefetches
 still being read; `rest`: experts the router did not find in the hit map), the lookahead's reads
@@ -16,7 +16,9 @@ Per model (a process's CudaModels count from 0: one a bench case), blocks are pu
   prefetched none queued, but some were still being read (the lookahead's, late);
   landed     the router missed some that had landed since (not yet in the hit map);
   found      the router found every expert.
-For each class: blocks, the GPU's mean wait for the flag, the mean time from the experts' start to
+Every flagged step writes its rows, the prompt's and the warm-up's too: `--last N` keeps each
+model's last N steps (a bench case's timed tokens are its last ones: `--last 128` with `--tokens
+128`). For each class: blocks, the GPU's mean wait for the flag, the mean time from the experts' start to
 the combination, the mean head before the next block (its start less this block's combination,
 within a step), and the host's mean marks. The waits' sum over a step is the bench's `waiting`.
 """
@@ -63,10 +65,19 @@ def fmt(v):
 
 def main():
     args = sys.argv[1:]
+    last = None
+    if len(args) >= 2 and args[0] == "--last":
+        last = int(args[1])
+        args = args[2:]
     if len(args) not in (1, 2):
         print(__doc__)
         sys.exit(2)
     rows = load(args[0])
+    if last is not None:
+        ends = {}
+        for r in rows:
+            ends[r["model"]] = max(ends.get(r["model"], 0), int(r["step"]))
+        rows = [r for r in rows if int(r["step"]) > ends[r["model"]] - last]
     models = sorted({r["model"] for r in rows}, key=int)
     if len(args) == 2:
         models = [args[1]]

@@ -17,10 +17,15 @@ fn row_of(name: &str) -> Vec<String> {
 
 /// What script `name` prints, run on a file `file` holding `text`.
 fn output_of(name: &str, file: &str, text: &str) -> String {
+    output_with(name, &[], file, text)
+}
+
+/// [`output_of`] with `args` before the file.
+fn output_with(name: &str, args: &[&str], file: &str, text: &str) -> String {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join(file);
     std::fs::write(&path, text).unwrap();
-    let out = Command::new("python3").arg(script(name)).arg(&path).output().expect("python3 runs");
+    let out = Command::new("python3").arg(script(name)).args(args).arg(&path).output().expect("python3 runs");
     assert!(out.status.success(), "{name} failed: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout).expect("UTF-8 output")
 }
@@ -233,4 +238,7 @@ fn the_flag_blocks_script_puts_each_block_in_its_class() {
     assert_eq!(row("landed")[1..4], ["1", "25.0%", "-"]);
     // 40 + 10 + 2 us over 2 steps.
     assert!(out.contains("GPU wait for flags: 0.026 ms a step"), "{out}");
+    // The last step only: the found and landed blocks.
+    let out = output_with("flag_blocks.py", &["--last", "1"], "flags.tsv", &flag_table());
+    assert!(out.contains("model 0: 2 blocks in 1 steps") && !out.contains("misses "), "{out}");
 }
