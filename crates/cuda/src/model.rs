@@ -139,7 +139,7 @@ pub struct FlaggedTurns {
 /// One flagged block's turn, for the per-block table `CHERENKOV_FLAG_BLOCKS=path` appends to
 /// ([`CudaModel::write_flag_rows`]): what the lease found and queued, and the turn's marks (ns,
 /// the host's clock, from the router's flag seen; `router_wait_ns` before it).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug)]
 struct FlagRow {
     layer: usize,
     /// Entries the lease queued reads for, entries being read already (prefetches still
@@ -155,7 +155,7 @@ struct FlagRow {
     marks: [u64; 5],
 }
 
-/// Where `CHERENKOV_FLAG_BLOCKS` sends its rows (None: nowhere), and the model's number in them.
+/// Where `CHERENKOV_FLAG_BLOCKS` sends its rows (None: nowhere).
 fn flag_blocks_path() -> Option<&'static std::path::Path> {
     use std::sync::OnceLock;
     static PATH: OnceLock<Option<std::path::PathBuf>> = OnceLock::new();
@@ -715,6 +715,19 @@ impl MoeBufs {
     /// The device's address of MoE layer `l`'s clock stamps ([`MoeBufs::stamps`]).
     fn stamps_at(&self, l: usize) -> u64 {
         self.stamps.dev + (l * STAMPS * 8) as u64
+    }
+
+    /// MoE layer `l`'s clock stamps as the device left them ([`MoeBufs::stamps`]).
+    ///
+    /// # Safety
+    /// No kernel that writes them may be running (the step ended with its stream sync).
+    unsafe fn read_stamps(&self, l: usize) -> [u64; STAMPS] {
+        // SAFETY: in bounds (STAMPS u64 a MoE layer); the caller's guarantee; read volatile, as
+        // the device wrote them.
+        unsafe {
+            let p = self.stamps.host.cast::<u64>().add(l * STAMPS);
+            std::array::from_fn(|i| p.add(i).read_volatile())
+        }
     }
 
     /// Where MoE layer `l`'s address table starts on the device.
@@ -1509,10 +1522,7 @@ impl CudaModel {
             let stamped = if st.stamped.contains(&l) {
                 // SAFETY: written by kernels of this step, which ended with the stream sync before
                 // this call; read as the device left them.
-                let (start, end) = unsafe {
-                    let p = mb.stamps.host.cast::<u64>().add(l * STAMPS);
-                    (p.read_volatile(), p.add(1).read_volatile())
-                };
+                let [start, end, ..] = unsafe { mb.read_stamps(l) };
                 // Both written (a kernel always writes its stamp; 0 would mean it did not run).
                 if start > 0 && end >= start { end - start } else { 0 }
             } else {
@@ -1538,10 +1548,7 @@ impl CudaModel {
             }
             if st.flag_waited.contains(&l) {
                 // SAFETY: as the stamps above.
-                let (past, began) = unsafe {
-                    let p = mb.stamps.host.cast::<u64>().add(l * STAMPS + 2);
-                    (p.read_volatile(), p.add(1).read_volatile())
-                };
+                let [_, _, past, began] = unsafe { mb.read_stamps(l) };
                 if began > 0 && past >= began {
                     let w = past - began;
                     self.pool.record_wait(l, w);
@@ -1591,14 +1598,8 @@ impl CudaModel {
         if FAILED.load(Ordering::Relaxed) {
             return;
         }
-        // SAFETY: written by this step's kernels, which ended with the stream sync before the
-        // caller; in bounds (STAMPS u64 a MoE layer).
-        let stamps = |l: usize| -> [u64; 4] {
-            unsafe {
-                let p = mb.stamps.host.cast::<u64>().add(l * STAMPS);
-                [p.read_volatile(), p.add(1).read_volatile(), p.add(2).read_volatile(), p.add(3).read_volatile()]
-            }
-        };
+        // SAFETY: the step's kernels ended with the stream sync before the caller.
+        let stamps = |l: usize| unsafe { mb.read_stamps(l) };
         let origin = rows.iter().map(|r| stamps(r.layer)[0]).filter(|&t| t > 0).min().unwrap_or(0);
         let step = self.flag_steps.fetch_add(1, Ordering::Relaxed);
         let mut text = String::new();
