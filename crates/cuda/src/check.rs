@@ -342,9 +342,22 @@ fn route_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
                 gpu.htod(dl.ptr, &logits)?;
             }
             gpu.htod(dmap.ptr, &map)?;
+            // From slices (the streamed router's path), the lookahead's top-k runs beside as the
+            // launch's second block: its own logits, a bias row, a width of k + 2 and its own
+            // outputs, host ids included.
+            let beside = slices > 0;
+            let ak = k + 2;
+            let a_logits = slice_rng.normal(e, 2.0);
+            let a_bias = slice_rng.normal(e, 0.5);
+            let (da, dab) = (gpu.alloc(e * 4, "check lookahead logits")?, gpu.alloc(e * 4, "check lookahead bias")?);
+            let (daids, daw) =
+                (gpu.alloc(ak * 4, "check lookahead ids")?, gpu.alloc(ak * 4, "check lookahead weights")?);
+            let a_host = gpu.pinned(ak * 4, "check lookahead host ids")?;
+            gpu.htod(da.ptr, &a_logits)?;
+            gpu.htod(dab.ptr, &a_bias)?;
             gpu.launch(
                 "route_topk",
-                (1, 1, 1),
+                (if beside { 2 } else { 1 }, 1, 1),
                 e.next_multiple_of(32) as u32,
                 0,
                 &[
@@ -364,6 +377,12 @@ fn route_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
                     Arg::I32(slices as i32),
                     Arg::Ptr(ready.dev),
                     Arg::Ptr(0),
+                    Arg::Ptr(if beside { da.ptr } else { 0 }),
+                    Arg::Ptr(if beside { dab.ptr } else { 0 }),
+                    Arg::I32(ak as i32),
+                    Arg::Ptr(if beside { daids.ptr } else { 0 }),
+                    Arg::Ptr(if beside { daw.ptr } else { 0 }),
+                    Arg::Ptr(if beside { a_host.dev } else { 0 }),
                 ],
             )?;
             let (mut ids, mut w, mut table, mut ranks) = (vec![0i32; k], vec![0f32; k], vec![0u64; k], vec![0i32; k]);
@@ -403,6 +422,36 @@ fn route_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
                 rel_err: rel_err(&w, &want_w),
                 limit: LINEAR_LIMIT,
             });
+            if beside {
+                // The bias adds to the logits' standard score (model weight 1 here), as the
+                // synthetic routers' does (engine::routing).
+                let n = e as f32;
+                let mean = a_logits.iter().sum::<f32>() / n;
+                let var = (a_logits.iter().map(|v| v * v).sum::<f32>() / n - mean * mean).max(0.0);
+                let scale = if var > 0.0 { 1.0 / var.sqrt() } else { 0.0 };
+                let scored: Vec<f32> = a_logits.iter().zip(&a_bias).map(|(l, b)| scale * l + b).collect();
+                let a_want = cherenkov_engine::routing::top_k(&scored, None, ak, true);
+                let (mut a_ids, mut a_w) = (vec![0i32; ak], vec![0f32; ak]);
+                gpu.dtoh(daids.ptr, &mut a_ids)?;
+                gpu.dtoh(daw.ptr, &mut a_w)?;
+                // SAFETY: the launch finished (the copies back above synchronise).
+                let a_host_ids = unsafe { a_host.as_slice::<i32>().to_vec() };
+                let wrong =
+                    (0..ak).filter(|&r| a_ids[r] != a_want[r].0 as i32 || a_host_ids[r] != a_want[r].0 as i32).count();
+                rows.push(CheckRow {
+                    name: format!(
+                        "route_topk {e} experts top-{k}{what}, the lookahead's top-{ak} beside: ids (fraction wrong)"
+                    ),
+                    rel_err: wrong as f64 / ak as f64,
+                    limit: 0.0,
+                });
+                let a_want_w: Vec<f32> = a_want.iter().map(|x| x.1).collect();
+                rows.push(CheckRow {
+                    name: format!("route_topk {e} experts top-{k}{what}, the lookahead's top-{ak} beside: weights"),
+                    rel_err: rel_err(&a_w, &a_want_w),
+                    limit: LINEAR_LIMIT,
+                });
+            }
         }
     }
     Ok(rows)

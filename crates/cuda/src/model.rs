@@ -524,6 +524,13 @@ pub struct CudaModel {
     /// copy stream; capped at 2 a streamed layer took 0.218-0.233 ms against 0.254-0.259 uncapped
     /// (`benchmark/notes-cuda.md`, session 10). `CHERENKOV_LOOKAHEAD_READS=n` sets it, 0 for no cap.
     lookahead_reads: Option<usize>,
+    /// The lookahead's router (the next block's gate on this block's input) rides in this block's
+    /// router launch as one more part, instead of a launch of its own between the routing and
+    /// the found experts (`CHERENKOV_LOOKAHEAD_OWN_LAUNCH=1`: its own launch, a measurement knob).
+    lookahead_rides: bool,
+    /// Where it rides, its top-k is a second block of the routing's launch
+    /// (`CHERENKOV_LOOKAHEAD_OWN_TOPK=1`: a launch of its own after it, a measurement knob).
+    lookahead_topk_beside: bool,
     /// Every expert resident: the shared expert's down projection on the side stream
     /// (`CHERENKOV_NO_SIDE_STREAM=1` queues it in line, before the routed experts), where it does
     /// not ride along in the routed experts' down launch (`shared_ride`).
@@ -652,6 +659,18 @@ fn cpu_expert_bufs(gpu: &Gpu, c: &TextConfig, layers: usize, on: bool) -> Result
 const FLAG_FRONT: usize = 0;
 const FLAG_BACK: usize = 1;
 const FLAG_TURN: usize = 2;
+
+/// The lookahead's top-k where it runs as the routing launch's second block (`route_topk`'s `a_`
+/// arguments): its logits, bias row (0: none), width, and its ids, weights and ids in host memory.
+#[derive(Clone, Copy, Default)]
+struct AheadTopk {
+    logits: u64,
+    bias: u64,
+    k: usize,
+    ids: u64,
+    weights: u64,
+    host: u64,
+}
 
 /// Clock stamps per MoE layer ([`MoeBufs::stamps`]).
 const STAMPS: usize = 4;
@@ -914,6 +933,8 @@ impl CudaModel {
                 .and_then(|w| w.parse().ok())
                 .unwrap_or(0usize)
                 .clamp(c.num_experts_per_tok, 2 * c.num_experts_per_tok),
+            lookahead_rides: std::env::var_os("CHERENKOV_LOOKAHEAD_OWN_LAUNCH").is_none(),
+            lookahead_topk_beside: std::env::var_os("CHERENKOV_LOOKAHEAD_OWN_TOPK").is_none(),
             lookahead_reads: match std::env::var("CHERENKOV_LOOKAHEAD_READS").ok().and_then(|n| n.parse().ok()) {
                 Some(0) => None,
                 Some(n) => Some(n),
@@ -2304,13 +2325,27 @@ impl CudaModel {
         // launch's outputs), and the combination waits for both.
         let rides = ride.is_some();
         let beside = resident && self.shared_beside && !rides;
+        // Lookahead (streaming only): the next block's router on this block's input.
+        let ahead_of = next.filter(|_| self.lookahead && !resident);
+        // It rides in the router's launch where it can (the same input, and the launch takes
+        // three parts), so that no launch of its own sits between the routing and the found
+        // experts, and its logits are there when the router's flag is.
+        let riding_ahead = ahead_of.filter(|n| self.lookahead_rides && n.gate.cols == m.gate.cols);
         let router = [(&m.gate, logits.ptr), (&m.shared_expert_gate, sgate.ptr)];
+        let router_ahead;
+        let router: &[_] = match riding_ahead {
+            Some(n) => {
+                router_ahead = [router[0], router[1], (&n.gate, ahead.ptr)];
+                &router_ahead
+            }
+            None => &router,
+        };
         let shared_gate_up = [(&m.shared_gate_proj, sg.ptr), (&m.shared_up_proj, su.ptr)];
         // (Its gate and up projections may ride along in the routed experts' gate/up launch.) The
         // router's column slices are added up by `route_topk` where nothing runs beside it on the
         // side stream, which could use the same scratch meanwhile (`route_sum`).
         let parts: &[_] = if !resident || gate_up_ride.is_some() {
-            &router
+            router
         } else {
             &[router[0], router[1], shared_gate_up[0], shared_gate_up[1]]
         };
@@ -2332,6 +2367,24 @@ impl CudaModel {
             (None, true) => (self.pool.memory().hit_map_at(l).context("the hit map")?, mb.found.at(l * k * 8), 0),
             (None, false) => (0, table, ranks),
         };
+        // The lookahead's top-k: where its router rode along, a second block of the routing's
+        // launch; else a launch of its own below.
+        let lookahead_topk = |n: &crate::weights::Moe| -> Result<AheadTopk> {
+            let nl = n.expert_slot;
+            self.write_bias(sc, nl, 1)?;
+            Ok(AheadTopk {
+                logits: ahead.ptr,
+                bias: self.bias_row(mb, nl, 1),
+                k: self.lookahead_width,
+                ids: mb.pred_ids.at(nl * 2 * k * 4),
+                weights: mb.pred_weights.at(nl * 2 * k * 4),
+                host: mb.pred_host.dev + (nl * 2 * k * 4) as u64,
+            })
+        };
+        let topk_beside = match riding_ahead.filter(|_| self.lookahead_topk_beside) {
+            Some(n) => Some(lookahead_topk(n)?),
+            None => None,
+        };
         self.route(
             logits.ptr,
             slices,
@@ -2347,6 +2400,7 @@ impl CudaModel {
             ranks,
             if found_here && self.router_poll { mb.ready.dev + (l * 4) as u64 } else { 0 },
             after,
+            topk_beside,
         )?;
         let ev = &mb.events[l];
         if !resident {
@@ -2363,19 +2417,17 @@ impl CudaModel {
                 self.record_head_event(&ev[6])?;
             }
         }
-        // Lookahead (streaming only): the next block's router on this block's input, queued after
-        // the router-ready event so it does not delay this block's reads; the host reads the
+        // The lookahead's top-k (and its router where it did not ride along), queued after the
+        // router-ready event so it does not delay this block's reads; the host reads the
         // prediction once this block's resident experts are queued.
-        let ahead_of = next.filter(|_| self.lookahead && !resident);
         if let Some(n) = ahead_of {
-            let nl = n.expert_slot;
-            n.gate.matvec(g, sc.inp.ptr, ahead.ptr)?;
-            self.write_bias(sc, nl, 1)?;
-            let bias = self.bias_row(mb, nl, 1);
-            let w = self.lookahead_width;
-            let ids = mb.pred_ids.at(nl * 2 * k * 4);
-            let host = mb.pred_host.dev + (nl * 2 * k * 4) as u64;
-            self.route(ahead.ptr, None, bias, w, ids, mb.pred_weights.at(nl * 2 * k * 4), host, 0, 0, 0, 0, 0)?;
+            if topk_beside.is_none() {
+                if riding_ahead.is_none() {
+                    n.gate.matvec(g, sc.inp.ptr, ahead.ptr)?;
+                }
+                let a = lookahead_topk(n)?;
+                self.route(a.logits, None, a.bias, a.k, a.ids, a.weights, a.host, 0, 0, 0, 0, 0, None)?;
+            }
             self.record_head_event(&ev[5])?;
         }
         // Streaming, the shared expert's gate and up projections where they do not ride along; its
@@ -3229,11 +3281,13 @@ impl CudaModel {
         ranks: u64,
         ready: u64,
         after: u64,
+        beside: Option<AheadTopk>,
     ) -> Result<()> {
         let c = self.config();
+        let a = beside.unwrap_or_default();
         self.gpu.launch(
             "route_topk",
-            (1, 1, 1),
+            (if beside.is_some() { 2 } else { 1 }, 1, 1),
             // One thread per expert.
             c.num_experts.next_multiple_of(32) as u32,
             0,
@@ -3255,6 +3309,12 @@ impl CudaModel {
                 Arg::I32(slices.map_or(0, |s| s.slices as i32)),
                 Arg::Ptr(ready),
                 Arg::Ptr(after),
+                Arg::Ptr(a.logits),
+                Arg::Ptr(a.bias),
+                Arg::I32(a.k as i32),
+                Arg::Ptr(a.ids),
+                Arg::Ptr(a.weights),
+                Arg::Ptr(a.host),
             ],
         )
     }

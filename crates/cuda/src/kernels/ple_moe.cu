@@ -81,6 +81,10 @@ __device__ __forceinline__ u32 route_key(float v) {
 // (benchmark/notes-cuda.md, sessions 24 and 25).
 //
 // `after` (may be null): a flag to wait for before anything else (`flag_wait`).
+// A second block (gridDim.x 2) ranks the lookahead's logits `a_logits` (the next block's router on
+// this block's input, written whole by the router launch) with its own bias, width `a_k` and
+// outputs, and nothing else: no slices, map, table, flags or wait. It runs beside the first, so the
+// prediction costs no launch of its own between the routing and the found experts.
 // `ready` (may be null; host memory mapped for the device): set to 1 once the chosen ids are in
 // `ids_host`, so that the host, polling it, starts its turn without waiting for the launch's end
 // and an event behind it. Every kernel queued before this one has finished by then (it waited).
@@ -90,8 +94,24 @@ __device__ __forceinline__ u32 route_key(float v) {
 extern "C" __global__ void route_topk(const float* logits, const float* bias, float model_w, int E, int k, int norm,
                                       int* ids, float* weights, int* ids_host, const u64* map, u64* table,
                                       int* rank_entry, const float* parts, int ks, unsigned* ready,
-                                      const unsigned* after) {
+                                      const unsigned* after, const float* a_logits, const float* a_bias, int a_k,
+                                      int* a_ids, float* a_weights, int* a_ids_host) {
     KSPAN;
+    if (blockIdx.x == 1) {
+        logits = a_logits;
+        bias = a_bias;
+        k = a_k;
+        ids = a_ids;
+        weights = a_weights;
+        ids_host = a_ids_host;
+        map = nullptr;
+        table = nullptr;
+        rank_entry = nullptr;
+        parts = nullptr;
+        ks = 0;
+        ready = nullptr;
+        after = nullptr;
+    }
     // `after` (may be null): the previous block's turn done (the hit map and the slots the host
     // retires change only in a turn), before the map is read.
     if (after) {
