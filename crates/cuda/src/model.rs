@@ -142,9 +142,9 @@ pub struct FlaggedTurns {
 #[derive(Clone, Copy, Debug)]
 struct FlagRow {
     layer: usize,
-    /// Entries the lease queued reads for, entries being read already (prefetches still
-    /// copying), entries the router did not find in the hit map, and whether any of those was
-    /// still copying when the block's flags were set.
+    /// Entries the lease queued reads for, entries being read already (loads still running, or
+    /// prefetches whose copies from the pinned file still run), entries the router did not find
+    /// in the hit map, and whether any of those was still copying when the block's flags were set.
     misses: usize,
     inflight: usize,
     rest: usize,
@@ -1374,9 +1374,14 @@ impl CudaModel {
         // step's reads of it ended with its stream sync.
         unsafe { self.write_found_rows(mb, l, &lease, &rest) };
         let mut copying = false;
+        // Hits whose copies from the pinned file still run: prefetches not landed yet (the pool
+        // counts such a load done once its copy is queued, so the lease's `inflight` misses them).
+        let mut late = 0;
         for &r in &rest {
             lease.wait(r)?;
-            copying |= mem.still_copying(entries[r].slot)?;
+            let still = mem.still_copying(entries[r].slot)?;
+            copying |= still;
+            late += usize::from(still && entries[r].hit);
         }
         if copying {
             mem.signal_after_copies(mb.flag_dev(l, FLAG_FRONT))?;
@@ -1423,7 +1428,7 @@ impl CudaModel {
             st.flag_rows.push(FlagRow {
                 layer: l,
                 misses: lease.misses(),
-                inflight: lease.inflight(),
+                inflight: lease.inflight() + late,
                 rest: rest.len(),
                 copying,
                 prefetched,
