@@ -30,7 +30,7 @@ use cherenkov_engine::tokenizer::Tokenizer;
 use cherenkov_model::arch;
 use cherenkov_model::config::{ModelConfig, TextConfig};
 use cherenkov_model::store::Store;
-use cherenkov_model::synth::{SynthOptions, SynthShape, write_store};
+use cherenkov_model::synth::{SynthOptions, SynthShape, store_bytes, write_store};
 use cherenkov_registry::Registry;
 use serde_json::json;
 
@@ -344,6 +344,46 @@ fn tok_s_at_depth(target: usize, per_token_ms: f64, ms: f64, depth: usize) -> f6
     1e3 / (per_token_ms + target as f64 * layer_ms)
 }
 
+/// Checks that the file system of the benchmark's store `dir` has room for `bytes` more, before
+/// the store is written; where it has not, the error names the benchmark's other stores beside
+/// `dir` (one per depth, experts and n-gram base) and their sizes, since they are what a series
+/// of benchmarks at several depths fills a disk with.
+fn check_room(dir: &std::path::Path, bytes: u64) -> Result<()> {
+    let parent = dir.parent().context("the benchmark's store has no parent directory")?;
+    std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
+    let others = other_stores(parent, dir);
+    let hint = if others.is_empty() {
+        "Free some space, or point CHERENKOV_HOME at a larger disk".to_string()
+    } else {
+        let list: Vec<String> =
+            others.iter().map(|(name, b)| format!("{name} ({})", indicatif::HumanBytes(*b))).collect();
+        format!(
+            "The benchmark's other stores in {}: {}; delete those not needed, or point CHERENKOV_HOME at a larger disk",
+            parent.display(),
+            list.join(", ")
+        )
+    };
+    let need = crate::space::Need { what: "for the benchmark's synthetic store", dir: parent.to_path_buf(), bytes };
+    crate::space::check_hinted(&[need], &hint).map(|_| ())
+}
+
+/// The benchmark's stores in `parent` other than `dir`, by name, with the bytes of their files.
+fn other_stores(parent: &std::path::Path, dir: &std::path::Path) -> Vec<(String, u64)> {
+    let Ok(entries) = std::fs::read_dir(parent) else { return Vec::new() };
+    let mut out: Vec<(String, u64)> = entries
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path() != dir && e.path().is_dir())
+        .map(|e| {
+            let bytes = std::fs::read_dir(e.path())
+                .map(|fs| fs.filter_map(|f| f.ok()?.metadata().ok()).map(|m| m.len()).sum())
+                .unwrap_or(0);
+            (e.file_name().to_string_lossy().into_owned(), bytes)
+        })
+        .collect();
+    out.sort();
+    out
+}
+
 fn drop_page_cache(path: &std::path::Path) -> Result<()> {
     let f = std::fs::File::open(path)?;
     // SAFETY: a valid descriptor; advice only.
@@ -367,6 +407,8 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     if !dir.join("manifest.json").exists() {
         let tmp = dir.with_extension("tmp");
         let _ = std::fs::remove_dir_all(&tmp);
+        let opts = SynthOptions { seed: 1, ..SynthOptions::default() };
+        check_room(&dir, store_bytes(&shape, &opts)?)?;
         eprintln!(
             "writing a synthetic store of the released shape ({} layers, {} experts) to {}",
             args.layers,
@@ -374,7 +416,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             dir.display()
         );
         let bar = bytes_bar("synthesizing");
-        write_store(&shape, &SynthOptions { seed: 1, ..SynthOptions::default() }, &tmp, &bar)?;
+        write_store(&shape, &opts, &tmp, &bar)?;
         bar.finish_and_clear();
         std::fs::rename(&tmp, &dir)?;
     }
@@ -942,6 +984,24 @@ mod tests {
         assert!((tok_s_at_depth(48, 0.0, step(4), 4) - 1e3 * 4.0 / 48.0 / step(4)).abs() < 1e-6);
         // Noise that tilts the line below zero at zero layers gives no negative part.
         assert_eq!(per_token_part(1.0, 4, 0.2, 2), 0.0);
+    }
+
+    #[test]
+    fn a_store_that_would_not_fit_is_refused_naming_the_other_stores() {
+        let home = tempfile::tempdir().unwrap();
+        let bench = home.path().join("bench");
+        let other = bench.join("flash-2L-512E-100003");
+        std::fs::create_dir_all(&other).unwrap();
+        std::fs::write(other.join("experts.bin"), vec![0u8; 3000]).unwrap();
+        let dir = bench.join("flash-32L-512E-100003");
+        check_room(&dir, 1 << 20).unwrap();
+        let e = check_room(&dir, u64::MAX / 4).unwrap_err().to_string();
+        assert!(e.contains("not enough free disk space") && e.contains("for the benchmark's synthetic store"), "{e}");
+        assert!(e.contains("other stores in") && e.contains("flash-2L-512E-100003 (2.93 KiB)"), "{e}");
+        // Without other stores, the hint is the general one.
+        std::fs::remove_dir_all(&other).unwrap();
+        let e = check_room(&dir, u64::MAX / 4).unwrap_err().to_string();
+        assert!(e.contains("point CHERENKOV_HOME at a larger disk") && !e.contains("other stores"), "{e}");
     }
 
     #[test]

@@ -113,7 +113,9 @@ enum Command {
             the roofline ratios at the run's depth and at 48 layers (the PCIe bound counts only the bytes steps used, \
             at the higher of two measured pinned host-to-device rates: from a fresh pinned buffer and from the pinned \
             expert file), and transformers' eager qwen4_exp on the same shape. Results go to --out as \
-            markdown and JSON.")]
+            markdown and JSON. The synthetic store is written once per depth, experts and n-gram base under \
+            $CHERENKOV_HOME/bench and reused (the released shape takes about 1.4 GiB a layer); a store that \
+            would not fit on its disk is refused before it is written, naming the other stores there.")]
     Bench(bench::BenchArgs),
     /// Check the CUDA backend against the CPU reference and the golden logits (on a GPU machine).
     #[command(hide = true)]

@@ -24,13 +24,21 @@ pub fn store_estimate(weights: u64, quantized: bool) -> u64 {
     (weights as f64 * ratio * 1.05) as u64 + (16 << 20)
 }
 
+/// What a failed check suggests, after its figures (for a download or a pack).
+const HINT: &str = "Free some space (cherenkov model gc deletes unused stores), or point HF_HUB_CACHE or CHERENKOV_HOME at a larger disk";
+
 /// Checks that the file systems holding the directories have room for what is needed in them
 /// (directories on one file system add up). Returns a line that says how much is needed and free.
 pub fn check(needs: &[Need]) -> Result<String> {
-    check_with(needs, space)
+    check_with(needs, space, HINT)
 }
 
-fn check_with(needs: &[Need], space_of: impl Fn(&std::path::Path) -> Result<Space>) -> Result<String> {
+/// [`check`], with `hint` after the figures where it fails.
+pub fn check_hinted(needs: &[Need], hint: &str) -> Result<String> {
+    check_with(needs, space, hint)
+}
+
+fn check_with(needs: &[Need], space_of: impl Fn(&std::path::Path) -> Result<Space>, hint: &str) -> Result<String> {
     let total: u64 = needs.iter().map(|n| n.bytes).sum();
     let parts: Vec<String> =
         needs.iter().map(|n| format!("{} {} in {}", HumanBytes(n.bytes), n.what, n.dir.display())).collect();
@@ -49,8 +57,7 @@ fn check_with(needs: &[Need], space_of: impl Fn(&std::path::Path) -> Result<Spac
     for (s, want, members) in &groups {
         if *want > s.free {
             bail!(
-                "not enough free disk space: this prepare {needed}; the file system of {} has {} free, {} short. \
-                 Free some space (cherenkov model gc deletes unused stores), or point HF_HUB_CACHE or CHERENKOV_HOME at a larger disk",
+                "not enough free disk space: this {needed}; the file system of {} has {} free, {} short. {hint}",
                 members[0].dir.display(),
                 HumanBytes(s.free),
                 HumanBytes(want - s.free)
@@ -77,16 +84,18 @@ mod tests {
             Ok(Space { free: if device == 1 { 1000 } else { 300 }, total: 2000, device })
         };
         let one = [need("to download", "/big/hf", 600), need("for the packed store", "/big/stores", 300)];
-        let ok = check_with(&one, fs).unwrap();
+        let ok = check_with(&one, fs, HINT).unwrap();
         assert!(ok.starts_with("needs about 900 B (600 B to download in /big/hf, 300 B for the packed store in /big/stores); 1000 B free"), "{ok}");
         let too_much = [need("to download", "/big/hf", 600), need("for the packed store", "/big/stores", 500)];
-        let e = check_with(&too_much, fs).unwrap_err().to_string();
-        assert!(e.contains("needs about 1.07 KiB") && e.contains("has 1000 B free, 100 B short"), "{e}");
+        let e = check_with(&too_much, fs, "Free some.").unwrap_err().to_string();
+        assert!(e.contains("needs about 1.07 KiB") && e.contains("has 1000 B free, 100 B short. Free some."), "{e}");
         let split = [need("to download", "/big/hf", 600), need("for the packed store", "/small/stores", 301)];
-        let e = check_with(&split, fs).unwrap_err().to_string();
+        let e = check_with(&split, fs, HINT).unwrap_err().to_string();
         assert!(e.contains("the file system of /small/stores has 300 B free, 1 B short"), "{e}");
         let split = [need("to download", "/big/hf", 600), need("for the packed store", "/small/stores", 200)];
-        assert!(check_with(&split, fs).unwrap().ends_with("1000 B free for /big/hf, 300 B free for /small/stores"));
+        assert!(
+            check_with(&split, fs, HINT).unwrap().ends_with("1000 B free for /big/hf, 300 B free for /small/stores")
+        );
         assert!(store_estimate(1 << 30, true) > store_estimate(1 << 30, false));
     }
 }

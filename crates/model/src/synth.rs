@@ -36,7 +36,7 @@ use crate::dtype::DType;
 use crate::ngram::NgramHash;
 use init::{BLOCK, Init, fill_block};
 pub use shape::{SynthDims, SynthShape};
-pub use store::write_store;
+pub use store::{store_bytes, write_store};
 
 /// Token ids the bundled tokenizer produces (`0..TOKENIZER_VOCAB`); `vocab_size` must cover them.
 pub const TOKENIZER_VOCAB: usize = 500;

@@ -259,6 +259,57 @@ pub fn write_store(shape: &SynthShape, opts: &SynthOptions, dir: &Path, progress
     Ok(manifest)
 }
 
+/// About how many bytes [`write_store`] writes for this shape, at least as many as it does: the
+/// expert file exactly, the dense tensors and n-gram tables row by row with their alignment
+/// padding counted in full, the checksum files and the side files (16 MiB covers those). For a
+/// free-space check before the store is written.
+pub fn store_bytes(shape: &SynthShape, opts: &SynthOptions) -> Result<u64> {
+    let config =
+        ModelConfig::from_value(&shape.config_json()).context("the synthetic shape is not a valid qwen4_exp model")?;
+    let c = config.text;
+    let mtp = shape.mtp_layers;
+    let mut bytes = 16u64 << 20;
+    // Dense: each tensor's data, scales and biases, each padded to DENSE_ALIGN.
+    for spec in arch::dense_specs(&c, mtp).into_iter().filter(|s| !s.optional) {
+        let rule = if spec.quantizable() { arch::bf16_pack_rule(spec.role, spec.in_features()) } else { None };
+        let precision = match rule {
+            Some(f) => Precision::from_affine(f),
+            None => Precision::Float { dtype: DType::BF16 },
+        };
+        let (rows, cols) = (spec.shape[..spec.shape.len() - 1].iter().product::<usize>(), *spec.shape.last().unwrap());
+        bytes += (rows * precision.row_bytes(cols)) as u64 + 3 * DENSE_ALIGN;
+    }
+    // Experts: the records, one sum each and their pieces' sums.
+    let moe = arch::moe_layers(&c, mtp);
+    let shapes = arch::expert_shapes(&c);
+    let prec: Vec<[Precision; 3]> = moe
+        .iter()
+        .map(|_| {
+            shapes.map(|s| match arch::bf16_pack_rule(Role::Linear, s[1]) {
+                Some(f) => Precision::from_affine(f),
+                None => Precision::Float { dtype: DType::BF16 },
+            })
+        })
+        .collect();
+    let (_, record_bytes) = expert_layouts(&c, &moe, &prec);
+    let records = (moe.len() * c.num_experts) as u64;
+    let pieces = record_bytes.div_ceil(PieceSums::piece_bytes_for(record_bytes));
+    bytes += records * (record_bytes + 8 + 8 * pieces);
+    // N-gram tables: every PLE layer's rows, padded.
+    let cols = c.ngram_row_dim();
+    let planned = plan(&c, mtp, opts);
+    for layer in (0..c.num_hidden_layers).filter(|&l| c.ple_index(l).is_some()) {
+        let precision = match arch::bf16_ngram_rule(cols) {
+            Some(f) => Precision::from_affine(f),
+            None => Precision::Float { dtype: DType::BF16 },
+        };
+        let prefix = super::hf_key(&format!("layers.{layer}.ple.ple_embedding.ngram_embedding.shard_"));
+        let rows: usize = planned.iter().filter(|t| t.key.starts_with(&prefix)).map(|t| t.shape[0]).sum();
+        bytes += (rows * precision.row_bytes(cols)) as u64 + DENSE_ALIGN;
+    }
+    Ok(bytes)
+}
+
 fn shape_label(s: &SynthShape) -> String {
     format!(
         "hidden {}, {} layers, {} experts top-{}",
@@ -288,5 +339,12 @@ mod tests {
         assert_eq!(packed.files, direct.files, "file sizes or checksums differ");
         let s = Store::open(&dir.path().join("direct")).unwrap();
         assert!(s.verify(&ProgressBar::hidden()).unwrap().is_empty());
+        // The estimate for a free-space check covers what was written, and not by much more than
+        // its padding allowance and 16 MiB for the side files.
+        let written: u64 =
+            std::fs::read_dir(dir.path().join("direct")).unwrap().map(|e| e.unwrap().metadata().unwrap().len()).sum();
+        let estimate = store_bytes(&shape, &opts).unwrap();
+        let padding = (direct.tensors.len() as u64 * 3 + 4) * DENSE_ALIGN + (16 << 20);
+        assert!(estimate >= written && estimate <= written + padding, "estimate {estimate}, written {written}");
     }
 }
