@@ -21,6 +21,9 @@ model's last N steps (a bench case's timed tokens are its last ones: `--last 128
 128`). For each class: blocks, the GPU's mean wait for the flag, the mean time from the experts' start to
 the combination, the mean head before the next block (its start less this block's combination,
 within a step), and the host's mean marks. The waits' sum over a step is the bench's `waiting`.
+Then the mean wait by the block's demand misses and the reads the turn before it queued (within a
+step): a prefetch still on the link when a block's misses are queued shows as a longer wait after
+more reads.
 """
 import sys
 
@@ -110,6 +113,18 @@ def main():
                   f"{mean(int(r['prefetched']) for r in rs):>10.2f}")
         if steps:
             print(f"GPU wait for flags: {total_wait / steps / 1e3:.3f} ms a step")
+        by = {}
+        for a, b in zip(mine, mine[1:]):
+            if a["step"] != b["step"]:
+                continue
+            began, past = num(b["wait_began_us"]), num(b["wait_past_us"])
+            w = past - began if began is not None and past is not None and past >= began else None
+            by.setdefault((int(b["misses"]), int(a["prefetched"])), []).append(w)
+        if by:
+            print("wait by the block's demand misses and the reads the turn before it queued:")
+            print(f"{'demand':>6} {'reads before':>12} {'blocks':>6} {'wait us':>8}")
+            for (m_, r_), ws in sorted(by.items()):
+                print(f"{m_:>6} {r_:>12} {len(ws):>6} {fmt(mean(ws)):>8}")
         print()
 
 

@@ -238,7 +238,17 @@ fn the_flag_blocks_script_puts_each_block_in_its_class() {
     assert_eq!(row("landed")[1..4], ["1", "25.0%", "-"]);
     // 40 + 10 + 2 us over 2 steps.
     assert!(out.contains("GPU wait for flags: 0.026 ms a step"), "{out}");
+    // Each step's second block came after a turn that queued 2 reads; neither had a miss, and the
+    // second step's has no stamps: one wait of 10 us.
+    let by: Vec<Vec<&str>> = out
+        .lines()
+        .skip_while(|l| !l.starts_with("wait by"))
+        .skip(2)
+        .take_while(|l| !l.is_empty())
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(by, [["0", "2", "2", "10.0"]], "{out}");
     // The last step only: the found and landed blocks.
     let out = output_with("flag_blocks.py", &["--last", "1"], "flags.tsv", &flag_table());
-    assert!(out.contains("model 0: 2 blocks in 1 steps") && !out.contains("misses "), "{out}");
+    assert!(out.contains("model 0: 2 blocks in 1 steps") && !out.lines().any(|l| l.starts_with("misses ")), "{out}");
 }
