@@ -62,6 +62,27 @@ fn encode(bytes: Vec<u8>, rows: usize, cols: usize, p: Precision) -> (Vec<u8>, V
     }
 }
 
+/// The precision `prepare` packs a BF16 dense tensor in (`dtype`: the tensor's own, where it is
+/// kept as it is).
+fn dense_precision(spec: &arch::TensorSpec, dtype: DType) -> Precision {
+    let rule = if spec.quantizable() { arch::bf16_pack_rule(spec.role, spec.in_features()) } else { None };
+    rule.map_or(Precision::Float { dtype }, Precision::from_affine)
+}
+
+/// The precisions of each of `layers` MoE layers' expert matrices (gate, up, down).
+fn expert_precisions(c: &crate::config::TextConfig, layers: usize) -> Vec<[Precision; 3]> {
+    let shapes = arch::expert_shapes(c);
+    let one = shapes.map(|s| {
+        arch::bf16_pack_rule(Role::Linear, s[1]).map_or(Precision::Float { dtype: DType::BF16 }, Precision::from_affine)
+    });
+    vec![one; layers]
+}
+
+/// The precision of an n-gram table's rows of `cols` values.
+fn ngram_precision(cols: usize) -> Precision {
+    arch::bf16_ngram_rule(cols).map_or(Precision::Float { dtype: DType::BF16 }, Precision::from_affine)
+}
+
 /// Writes the store of a synthetic model into `dir` (absent or empty). See the module docs.
 pub fn write_store(shape: &SynthShape, opts: &SynthOptions, dir: &Path, progress: &ProgressBar) -> Result<Manifest> {
     let config_json = shape.config_json();
@@ -87,11 +108,7 @@ pub fn write_store(shape: &SynthShape, opts: &SynthOptions, dir: &Path, progress
     let mut tensors = Vec::new();
     for spec in &specs {
         let t = find(&hf(&spec.name))?;
-        let rule = if spec.quantizable() { arch::bf16_pack_rule(spec.role, spec.in_features()) } else { None };
-        let precision = match rule {
-            Some(f) => Precision::from_affine(f),
-            None => Precision::Float { dtype: t.dtype },
-        };
+        let precision = dense_precision(spec, t.dtype);
         let (rows, cols) = (spec.shape[..spec.shape.len() - 1].iter().product::<usize>(), *spec.shape.last().unwrap());
         let (d, s, b) = encode(elements(t, opts.seed, 0, rows * cols), rows, cols, precision);
         w.pad_to(DENSE_ALIGN)?;
@@ -114,17 +131,7 @@ pub fn write_store(shape: &SynthShape, opts: &SynthOptions, dir: &Path, progress
     // Expert records.
     progress.set_message("experts");
     let moe = arch::moe_layers(&c, mtp);
-    let shapes = arch::expert_shapes(&c);
-    let prec: Vec<[Precision; 3]> = moe
-        .iter()
-        .map(|_| {
-            shapes.map(|s| match arch::bf16_pack_rule(Role::Linear, s[1]) {
-                Some(f) => Precision::from_affine(f),
-                None => Precision::Float { dtype: DType::BF16 },
-            })
-        })
-        .collect();
-    let (layouts, record_bytes) = expert_layouts(&c, &moe, &prec);
+    let (layouts, record_bytes) = expert_layouts(&c, &moe, &expert_precisions(&c, moe.len()));
     let tag = experts_tag(&layouts);
     let (ename, sname) = (format!("experts-{tag}.bin"), format!("experts-{tag}.sums"));
     let ef = File::create(dir.join(&ename)).with_context(|| format!("cannot create {ename}"))?;
@@ -177,10 +184,7 @@ pub fn write_store(shape: &SynthShape, opts: &SynthOptions, dir: &Path, progress
         let mut w = HashingWriter::create(&dir.join("ngram.bin"))?;
         let cols = c.ngram_row_dim();
         for &layer in &ple_layers {
-            let precision = match arch::bf16_ngram_rule(cols) {
-                Some(f) => Precision::from_affine(f),
-                None => Precision::Float { dtype: DType::BF16 },
-            };
+            let precision = ngram_precision(cols);
             let row_bytes = precision.row_bytes(cols);
             w.pad_to(DENSE_ALIGN)?;
             let offset = w.pos();
@@ -271,27 +275,13 @@ pub fn store_bytes(shape: &SynthShape, opts: &SynthOptions) -> Result<u64> {
     let mut bytes = 16u64 << 20;
     // Dense: each tensor's data, scales and biases, each padded to DENSE_ALIGN.
     for spec in arch::dense_specs(&c, mtp).into_iter().filter(|s| !s.optional) {
-        let rule = if spec.quantizable() { arch::bf16_pack_rule(spec.role, spec.in_features()) } else { None };
-        let precision = match rule {
-            Some(f) => Precision::from_affine(f),
-            None => Precision::Float { dtype: DType::BF16 },
-        };
+        let precision = dense_precision(&spec, DType::BF16);
         let (rows, cols) = (spec.shape[..spec.shape.len() - 1].iter().product::<usize>(), *spec.shape.last().unwrap());
         bytes += (rows * precision.row_bytes(cols)) as u64 + 3 * DENSE_ALIGN;
     }
     // Experts: the records, one sum each and their pieces' sums.
     let moe = arch::moe_layers(&c, mtp);
-    let shapes = arch::expert_shapes(&c);
-    let prec: Vec<[Precision; 3]> = moe
-        .iter()
-        .map(|_| {
-            shapes.map(|s| match arch::bf16_pack_rule(Role::Linear, s[1]) {
-                Some(f) => Precision::from_affine(f),
-                None => Precision::Float { dtype: DType::BF16 },
-            })
-        })
-        .collect();
-    let (_, record_bytes) = expert_layouts(&c, &moe, &prec);
+    let (_, record_bytes) = expert_layouts(&c, &moe, &expert_precisions(&c, moe.len()));
     let records = (moe.len() * c.num_experts) as u64;
     let pieces = record_bytes.div_ceil(PieceSums::piece_bytes_for(record_bytes));
     bytes += records * (record_bytes + 8 + 8 * pieces);
@@ -299,10 +289,7 @@ pub fn store_bytes(shape: &SynthShape, opts: &SynthOptions) -> Result<u64> {
     let cols = c.ngram_row_dim();
     let planned = plan(&c, mtp, opts);
     for layer in (0..c.num_hidden_layers).filter(|&l| c.ple_index(l).is_some()) {
-        let precision = match arch::bf16_ngram_rule(cols) {
-            Some(f) => Precision::from_affine(f),
-            None => Precision::Float { dtype: DType::BF16 },
-        };
+        let precision = ngram_precision(cols);
         let prefix = super::hf_key(&format!("layers.{layer}.ple.ple_embedding.ngram_embedding.shard_"));
         let rows: usize = planned.iter().filter(|t| t.key.starts_with(&prefix)).map(|t| t.shape[0]).sum();
         bytes += (rows * precision.row_bytes(cols)) as u64 + DENSE_ALIGN;
