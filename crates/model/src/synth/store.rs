@@ -273,9 +273,13 @@ pub fn store_bytes(shape: &SynthShape, opts: &SynthOptions) -> Result<u64> {
     let c = config.text;
     let mtp = shape.mtp_layers;
     let mut bytes = 16u64 << 20;
-    // Dense: each tensor's data, scales and biases, each padded to DENSE_ALIGN.
+    let planned = plan(&c, mtp, opts);
+    // Dense: each tensor's data, scales and biases, each padded to DENSE_ALIGN; a tensor kept as it
+    // is in its planned dtype (f32, the widest, where none is planned).
     for spec in arch::dense_specs(&c, mtp).into_iter().filter(|s| !s.optional) {
-        let precision = dense_precision(&spec, DType::BF16);
+        let key = super::hf_key(&spec.name);
+        let dtype = planned.iter().find(|t| t.key == key).map_or(DType::F32, |t| t.dtype);
+        let precision = dense_precision(&spec, dtype);
         let (rows, cols) = (spec.shape[..spec.shape.len() - 1].iter().product::<usize>(), *spec.shape.last().unwrap());
         bytes += (rows * precision.row_bytes(cols)) as u64 + 3 * DENSE_ALIGN;
     }
@@ -287,7 +291,6 @@ pub fn store_bytes(shape: &SynthShape, opts: &SynthOptions) -> Result<u64> {
     bytes += records * (record_bytes + 8 + 8 * pieces);
     // N-gram tables: every PLE layer's rows, padded.
     let cols = c.ngram_row_dim();
-    let planned = plan(&c, mtp, opts);
     for layer in (0..c.num_hidden_layers).filter(|&l| c.ple_index(l).is_some()) {
         let precision = ngram_precision(cols);
         let prefix = super::hf_key(&format!("layers.{layer}.ple.ple_embedding.ngram_embedding.shard_"));
