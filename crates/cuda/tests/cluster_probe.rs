@@ -41,7 +41,7 @@
 mod probe;
 
 use cherenkov_cuda::gpu::{Arg, Gpu};
-use cudarc::driver::sys;
+use probe::launch;
 
 /// The read's shape: the down projection's inputs (8-bit, so its bytes are the released 4-bit
 /// matrix's), its rows (the rank) and the up projection's rows (4 streams of 2560).
@@ -206,22 +206,6 @@ const KERNELS: [&str; 6] =
 fn probe_kernels_compile() {
     let Some(p) = probe::compiled(SOURCE, &KERNELS) else { return };
     assert!(p.contains("barrier.cluster.arrive") && p.contains("mapa.shared::cluster"));
-}
-
-/// Launches `f` with PDL and, where `cluster` > 1, in clusters of that many blocks.
-///
-/// # Safety
-/// As `Gpu::launch_function_clustered`.
-unsafe fn launch(
-    gpu: &Gpu,
-    f: sys::CUfunction,
-    grid: u32,
-    block: u32,
-    cluster: u32,
-    args: &[Arg],
-) -> anyhow::Result<()> {
-    // SAFETY: the caller's contract.
-    unsafe { gpu.launch_function_clustered(f, "probe kernel", (grid, 1, 1), block, 0, args, true, cluster) }
 }
 
 #[test]

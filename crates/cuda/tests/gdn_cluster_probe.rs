@@ -44,7 +44,7 @@
 mod probe;
 
 use cherenkov_cuda::gpu::{Arg, Gpu};
-use cudarc::driver::sys;
+use probe::launch;
 
 /// Inputs a row (8-bit: the bytes of 2560 4-bit inputs), key heads, value heads per key head, head
 /// width, rows per key head (q, k, 3 v, 3 z, 3 a, 3 b), layers chained in one graph.
@@ -348,22 +348,6 @@ const KERNELS: [&str; 3] = ["gdn_proj", "gdn_recur", "gdn_fused"];
 fn probe_kernels_compile() {
     let Some(p) = probe::compiled(SOURCE, &KERNELS) else { return };
     assert!(p.contains("barrier.cluster.arrive") && p.contains("mapa.shared::cluster"));
-}
-
-/// Launches `f` with PDL and, where `cluster` > 1, in clusters of that many blocks.
-///
-/// # Safety
-/// As `Gpu::launch_function_clustered`.
-unsafe fn launch(
-    gpu: &Gpu,
-    f: sys::CUfunction,
-    grid: u32,
-    block: u32,
-    cluster: u32,
-    args: &[Arg],
-) -> anyhow::Result<()> {
-    // SAFETY: the caller's contract.
-    unsafe { gpu.launch_function_clustered(f, "probe kernel", (grid, 1, 1), block, 0, args, true, cluster) }
 }
 
 #[test]

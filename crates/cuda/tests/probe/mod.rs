@@ -69,6 +69,23 @@ pub fn load(gpu: &Gpu, source: &str, names: &[&str]) -> Vec<sys::CUfunction> {
     }
 }
 
+/// Launches `f` (a `grid` of `block` threads, no dynamic shared memory) with programmatic
+/// dependent launch and, where `cluster` > 1, in clusters of that many blocks.
+///
+/// # Safety
+/// As `Gpu::launch_function_clustered`.
+pub unsafe fn launch(
+    gpu: &Gpu,
+    f: sys::CUfunction,
+    grid: u32,
+    block: u32,
+    cluster: u32,
+    args: &[cherenkov_cuda::gpu::Arg],
+) -> anyhow::Result<()> {
+    // SAFETY: the caller's contract.
+    unsafe { gpu.launch_function_clustered(f, "probe kernel", (grid, 1, 1), block, 0, args, true, cluster) }
+}
+
 /// Lets `f` be launched in clusters larger than 8 blocks (16 on the H200: non-portable sizes).
 pub fn allow_large_clusters(f: sys::CUfunction) {
     // SAFETY: a plain attribute of a loaded kernel.
