@@ -23,7 +23,8 @@
 //!   recurrence (a block per value head, four threads a state column, each holding a quarter of
 //!   the column in registers, loaded before the launch's wait);
 //! - the projection's launch alone: what the recurrence's launch adds;
-//! - one launch a layer: 128 blocks in clusters of 8, a cluster per key head. Each block makes an
+//! - one launch a layer: 128 blocks in clusters of 8, a cluster per key head (and its projection
+//!   alone, the recurrence skipped: what the recurrence adds inside the launch). Each block makes an
 //!   eighth of its head's 1030 rows into its shared memory; after the cluster barrier six blocks
 //!   each gather q, k and half a value head's v, z, a and b through distributed shared memory and
 //!   run that half's 64 state columns (four threads a column, their state loaded before the
@@ -272,7 +273,8 @@ __device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
 __device__ __forceinline__ float head_row(const float* part, int rr) { return ld_cluster(part + rr % ROWS_PB, rr / ROWS_PB); }
 
 extern "C" __global__ void __launch_bounds__(256) gdn_fused(const signed char* __restrict__ w, const float* x,
-                                                            const float* cw, float* cs, float* state, float* y) {
+                                                            const float* cw, float* cs, float* state, float* y,
+                                                            int recur) {
     __shared__ float xsh[XN];
     __shared__ float part[ROWS_PB];
     __shared__ float qk[2 * D];
@@ -283,8 +285,8 @@ extern "C" __global__ void __launch_bounds__(256) gdn_fused(const signed char* _
     const int kh = blockIdx.x / CL, t = threadIdx.x, warp = t >> 5, nwarps = blockDim.x >> 5;
     // Six blocks run half a value head each (columns half * 64 ...; PARTS threads a column, 256
     // threads); the last two only keep their shared memory alive for the others' gathers. Their
-    // state's parts are loaded before the wait.
-    const bool runs = k < 2 * VPK;
+    // state's parts are loaded before the wait. (`recur` 0: none runs, the projection's time.)
+    const bool runs = recur && k < 2 * VPK;
     const int vl = k >> 1, half = k & 1, vh = kh * VPK + vl, jc = half * 64 + t % 64, p = t / 64;
     float* S = state + (size_t)vh * D * D;
     float s[PR];
@@ -421,28 +423,31 @@ fn gdn_cluster_probe() {
             Ok(())
         }
     };
-    let fused = || -> anyhow::Result<()> {
-        for i in 0..LAYERS {
-            // SAFETY: as above; 128 blocks in clusters of 8.
-            unsafe {
-                launch(
-                    gpu,
-                    ffused,
-                    (KH * 8) as u32,
-                    256,
-                    8,
-                    &[
-                        Arg::Ptr(w_at(i)),
-                        Arg::Ptr(y(i)),
-                        Arg::Ptr(cw_at(i)),
-                        Arg::Ptr(cs_at(i)),
-                        Arg::Ptr(st_at(i)),
-                        Arg::Ptr(y(i + 1)),
-                    ],
-                )?;
+    let fused = |recur: bool| {
+        move || -> anyhow::Result<()> {
+            for i in 0..LAYERS {
+                // SAFETY: as above; 128 blocks in clusters of 8.
+                unsafe {
+                    launch(
+                        gpu,
+                        ffused,
+                        (KH * 8) as u32,
+                        256,
+                        8,
+                        &[
+                            Arg::Ptr(w_at(i)),
+                            Arg::Ptr(y(i)),
+                            Arg::Ptr(cw_at(i)),
+                            Arg::Ptr(cs_at(i)),
+                            Arg::Ptr(st_at(i)),
+                            Arg::Ptr(y(i + 1)),
+                            Arg::I32(i32::from(recur)),
+                        ],
+                    )?;
+                }
             }
+            Ok(())
         }
-        Ok(())
     };
     let median_us = |graph: &cherenkov_cuda::gpu::Graph| probe::median_us(gpu, graph, LAYERS);
     // One replay from the initial states; the last layer's output bits.
@@ -466,7 +471,7 @@ fn gdn_cluster_probe() {
     println!("{:64} {:8.2} us/layer", "two launches a layer (264 + 48 blocks), PDL, graph", median_us(&g_two));
     let g_proj = gpu.capture(two(false)).unwrap();
     println!("{:64} {:8.2} us/layer", "the projection's launch alone (264 blocks)", median_us(&g_proj));
-    match gpu.capture(fused) {
+    match gpu.capture(fused(true)) {
         Ok(g) => {
             let got = outputs(&g);
             let differ = got.iter().zip(&want).filter(|(a, b)| a != b).count();
@@ -484,5 +489,11 @@ fn gdn_cluster_probe() {
             }
         }
         Err(e) => println!("one launch a layer, clusters of 8: not run: {e:#}"),
+    }
+    match gpu.capture(fused(false)) {
+        Ok(g) => {
+            println!("{:64} {:8.2} us/layer", "its projection alone (no block runs the recurrence)", median_us(&g))
+        }
+        Err(e) => println!("the clustered projection alone: not run: {e:#}"),
     }
 }
