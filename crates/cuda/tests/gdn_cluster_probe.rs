@@ -39,8 +39,12 @@
 //! on an H200 (session 39, `benchmark/results/gdn-cluster-probe-2026-12-03-s39.txt`): two launches
 //! 59.2 us a layer, the projection alone 28.3, one launch in clusters 56.5, outputs identical. Both
 //! kernels were far slower than the engine's (16.5 and 5.5 us), so that answered nothing about the
-//! fold; this version, with the recurrence split four ways and its state loaded before the wait,
-//! has not run on a GPU yet.
+//! fold. This version, with the recurrence split four ways and its state loaded before the wait,
+//! ran in session 40 (`gdn-cluster-probe-2026-12-03-s40.txt`): two launches 34.55 us a layer, the
+//! projection alone 28.93, one clustered launch 51.38 and its projection alone 48.78. The
+//! recurrence adds 5.6 us as a launch of its own and 2.6 inside the clustered one, so the fold is
+//! worth about 3 us a layer, and only if the projection kept the whole GPU: on the clusters' 128
+//! blocks it took 48.8 us against 28.9 on 264 (`benchmark/notes-cuda.md`, "Session 40").
 
 mod probe;
 
