@@ -24,7 +24,8 @@
 //!   the column in registers, loaded before the launch's wait);
 //! - the projection's launch alone: what the recurrence's launch adds;
 //! - one launch a layer: 128 blocks in clusters of 8, a cluster per key head (and its projection
-//!   alone, the recurrence skipped: what the recurrence adds inside the launch). Each block makes an
+//!   alone, the recurrence skipped: what the recurrence adds inside the launch); then the same
+//!   with clusters of 16 blocks (256 blocks, a non-portable size). With 8, each block makes an
 //!   eighth of its head's 1030 rows into its shared memory; after the cluster barrier six blocks
 //!   each gather q, k and half a value head's v, z, a and b through distributed shared memory and
 //!   run that half's 64 state columns (four threads a column, their state loaded before the
@@ -44,7 +45,10 @@
 //! projection alone 28.93, one clustered launch 51.38 and its projection alone 48.78. The
 //! recurrence adds 5.6 us as a launch of its own and 2.6 inside the clustered one, so the fold is
 //! worth about 3 us a layer, and only if the projection kept the whole GPU: on the clusters' 128
-//! blocks it took 48.8 us against 28.9 on 264 (`benchmark/notes-cuda.md`, "Session 40").
+//! blocks it took 48.8 us against 28.9 on 264. The probe then also ran the clustered launch with
+//! clusters of 16 (256 blocks): 48.86 us a layer, its projection alone 45.05, still 16 us slower
+//! than the separate projection's 29.08, so the fold does not pay in this form
+//! (`benchmark/notes-cuda.md`, "Session 40").
 
 mod probe;
 
@@ -349,11 +353,22 @@ extern "C" __global__ void __launch_bounds__(256) gdn_fused(const signed char* _
 
 const KERNELS: [&str; 3] = ["gdn_proj", "gdn_recur", "gdn_fused"];
 
-/// The probe's kernels compile (so the measurement does not fail on the GPU machine for a typo).
+/// The source with clusters of `cl` blocks a key head instead of 8 (16: the largest the H200
+/// schedules, a non-portable size, so that the projection keeps 256 blocks).
+fn source_with_clusters_of(cl: usize) -> String {
+    let s = SOURCE.replacen("#define CL 8 ", &format!("#define CL {cl} "), 1);
+    assert!(cl == 8 || s != SOURCE, "the source's cluster size was not replaced");
+    s
+}
+
+/// The probe's kernels compile (so the measurement does not fail on the GPU machine for a typo),
+/// with clusters of 8 and of 16.
 #[test]
 fn probe_kernels_compile() {
-    let Some(p) = probe::compiled(SOURCE, &KERNELS) else { return };
-    assert!(p.contains("barrier.cluster.arrive") && p.contains("mapa.shared::cluster"));
+    for cl in [8, 16] {
+        let Some(p) = probe::compiled(&source_with_clusters_of(cl), &KERNELS) else { return };
+        assert!(p.contains("barrier.cluster.arrive") && p.contains("mapa.shared::cluster"));
+    }
 }
 
 #[test]
@@ -362,6 +377,8 @@ fn gdn_cluster_probe() {
     let gpu = Gpu::new().unwrap();
     let f = probe::load(&gpu, SOURCE, &KERNELS);
     let (fproj, frec, ffused) = (f[0], f[1], f[2]);
+    let ffused16 = probe::load(&gpu, &source_with_clusters_of(16), &["gdn_fused"])[0];
+    probe::allow_large_clusters(ffused16);
     // Small pseudo-random values: int8 weights, conv weights near 1/4, states near 0.
     let hash = |i: usize, seed: usize| ((i + seed).wrapping_mul(2654435761) >> 13) as u32;
     let rows = KH * ROWS_KH;
@@ -427,17 +444,18 @@ fn gdn_cluster_probe() {
             Ok(())
         }
     };
-    let fused = |recur: bool| {
+    // The clustered launch compiled for clusters of `cl` blocks (`f`).
+    let fused = |f: cudarc::driver::sys::CUfunction, cl: usize, recur: bool| {
         move || -> anyhow::Result<()> {
             for i in 0..LAYERS {
-                // SAFETY: as above; 128 blocks in clusters of 8.
+                // SAFETY: as above; KH clusters of `cl` blocks, the size `f` was compiled for.
                 unsafe {
                     launch(
                         gpu,
-                        ffused,
-                        (KH * 8) as u32,
+                        f,
+                        (KH * cl) as u32,
                         256,
-                        8,
+                        cl as u32,
                         &[
                             Arg::Ptr(w_at(i)),
                             Arg::Ptr(y(i)),
@@ -475,29 +493,31 @@ fn gdn_cluster_probe() {
     println!("{:64} {:8.2} us/layer", "two launches a layer (264 + 48 blocks), PDL, graph", median_us(&g_two));
     let g_proj = gpu.capture(two(false)).unwrap();
     println!("{:64} {:8.2} us/layer", "the projection's launch alone (264 blocks)", median_us(&g_proj));
-    match gpu.capture(fused(true)) {
-        Ok(g) => {
-            let got = outputs(&g);
-            let differ = got.iter().zip(&want).filter(|(a, b)| a != b).count();
-            let us = median_us(&g);
-            let what = "one launch a layer, 128 blocks in clusters of 8";
-            if differ == 0 {
-                println!("{what:64} {us:8.2} us/layer");
-            } else {
-                let worst = got
-                    .iter()
-                    .zip(&want)
-                    .map(|(a, b)| (f32::from_bits(*a) - f32::from_bits(*b)).abs())
-                    .fold(0f32, f32::max);
-                println!("{what:64} {us:8.2} us/layer  [{differ} OUTPUTS DIFFER, worst {worst:.3e}]");
+    for (f, cl) in [(ffused, 8), (ffused16, 16)] {
+        match gpu.capture(fused(f, cl, true)) {
+            Ok(g) => {
+                let got = outputs(&g);
+                let differ = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+                let us = median_us(&g);
+                let what = format!("one launch a layer, {} blocks in clusters of {cl}", KH * cl);
+                if differ == 0 {
+                    println!("{what:64} {us:8.2} us/layer");
+                } else {
+                    let worst = got
+                        .iter()
+                        .zip(&want)
+                        .map(|(a, b)| (f32::from_bits(*a) - f32::from_bits(*b)).abs())
+                        .fold(0f32, f32::max);
+                    println!("{what:64} {us:8.2} us/layer  [{differ} OUTPUTS DIFFER, worst {worst:.3e}]");
+                }
             }
+            Err(e) => println!("one launch a layer, clusters of {cl}: not run: {e:#}"),
         }
-        Err(e) => println!("one launch a layer, clusters of 8: not run: {e:#}"),
-    }
-    match gpu.capture(fused(false)) {
-        Ok(g) => {
-            println!("{:64} {:8.2} us/layer", "its projection alone (no block runs the recurrence)", median_us(&g))
+        match gpu.capture(fused(f, cl, false)) {
+            Ok(g) => {
+                println!("{:64} {:8.2} us/layer", "its projection alone (no block runs the recurrence)", median_us(&g))
+            }
+            Err(e) => println!("the projection alone in clusters of {cl}: not run: {e:#}"),
         }
-        Err(e) => println!("the clustered projection alone: not run: {e:#}"),
     }
 }
