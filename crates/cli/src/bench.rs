@@ -77,6 +77,12 @@ pub struct BenchArgs {
     /// Skip the transformers peer.
     #[arg(long)]
     pub no_peer: bool,
+    /// Decoder layers of the transformers peer. Its bf16 experts take about 5 GB a layer of the
+    /// released shape, so a deep store does not fit beside the run: the peer runs at the lower of
+    /// this and --layers and at half that, and its 48-layer rate is extrapolated per layer as
+    /// Cherenkov's is.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
+    pub peer_layers: u32,
     /// Threads that read missing expert records from the store when the expert file is not
     /// pinned (the pinned cases copy from the page cache without them).
     #[arg(long, default_value_t = 8)]
@@ -335,6 +341,59 @@ fn pcie_share_at(k: &Case, target: usize, roofline_at: f64, host_to_device: f64,
     let used = (k.bytes_per_token - k.wasted_per_token).max(0.0) * target as f64 / k.depth.max(1) as f64;
     let bound = 1.0 / (1.0 / roofline_at).max(used / host_to_device);
     (tok_s_at / bound, bound)
+}
+
+/// The transformers peer's depths, deepest first: the lower of `peer_layers` and the model's
+/// `layers`, and half of it where that is a depth of its own (the two points of its per-layer
+/// extrapolation). Neither is shallower than `first_attention`, the depth that holds the first
+/// attention layer: transformers' cache cannot tell its length from Gated DeltaNet layers alone
+/// (`get_seq_length` fails at 2 layers of the released shape).
+fn peer_depths(peer_layers: usize, layers: usize, first_attention: usize) -> Vec<usize> {
+    let full = peer_layers.max(first_attention).min(layers).max(1);
+    let half = (full / 2).max(first_attention);
+    if half >= 1 && half < full { vec![full, half] } else { vec![full] }
+}
+
+/// The peer's rate at `target` layers from its runs at two depths (`(layers, tok/s)`, deepest
+/// first), extrapolated as Cherenkov's 48-layer figures are: a per-token part and a per-layer
+/// part. None without two usable runs at different depths.
+fn peer_at_depth(target: usize, runs: &[(usize, f64)]) -> Option<f64> {
+    let [(deep, deep_tps), (shallow, shallow_tps)] = *runs else { return None };
+    if deep == shallow || deep_tps <= 0.0 || shallow_tps <= 0.0 {
+        return None;
+    }
+    let (deep_ms, shallow_ms) = (1e3 / deep_tps, 1e3 / shallow_tps);
+    Some(tok_s_at_depth(target, per_token_part(deep_ms, deep, shallow_ms, shallow), deep_ms, deep))
+}
+
+/// Runs `tools/bench/hf_peer.py` on `config` at each of `depths`; returns the runs that reported
+/// (the script's JSON line each, deepest first), saying in `out` which failed and why.
+fn run_peer(
+    args: &BenchArgs,
+    config: &std::path::Path,
+    depths: &[usize],
+    out: &mut dyn Write,
+) -> Result<Vec<serde_json::Value>> {
+    let mut runs = Vec::new();
+    for &depth in depths {
+        eprintln!("timing the transformers peer at {depth} layers");
+        let o = std::process::Command::new(&args.python)
+            .args(["tools/bench/hf_peer.py", "--config"])
+            .arg(config)
+            .args(["--tokens", &args.tokens.min(32).to_string(), "--layers", &depth.to_string()])
+            .output()
+            .with_context(|| format!("running {} tools/bench/hf_peer.py", args.python))?;
+        let text = String::from_utf8_lossy(&o.stdout);
+        match text.lines().rev().find(|l| l.starts_with('{')).and_then(|l| serde_json::from_str(l).ok()) {
+            Some(v) => runs.push(v),
+            None => writeln!(
+                out,
+                "peer failed at {depth} layers: {}",
+                String::from_utf8_lossy(&o.stderr).lines().rev().take(5).collect::<Vec<_>>().join(" | ")
+            )?,
+        }
+    }
+    Ok(runs)
 }
 
 /// Tokens per second at `target` layers of a case that took `ms` per token at `depth` layers:
@@ -740,33 +799,14 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     }
     let belady = policies.last().map(|p| p.1).unwrap_or(1.0);
 
-    // The peer.
-    let peer = if args.no_peer {
-        None
+    // The peer, at the depths that fit beside this run.
+    let peer_runs = if args.no_peer {
+        Vec::new()
     } else {
-        let o = std::process::Command::new(&args.python)
-            .args(["tools/bench/hf_peer.py", "--config"])
-            .arg(store.dir.join("config.json"))
-            .args(["--tokens", &args.tokens.min(32).to_string()])
-            .output()
-            .with_context(|| format!("running {} tools/bench/hf_peer.py", args.python))?;
-        let text = String::from_utf8_lossy(&o.stdout);
-        match text
-            .lines()
-            .rev()
-            .find(|l| l.starts_with('{'))
-            .and_then(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        {
-            Some(v) => Some(v),
-            None => {
-                writeln!(
-                    out,
-                    "peer failed: {}",
-                    String::from_utf8_lossy(&o.stderr).lines().rev().take(5).collect::<Vec<_>>().join(" | ")
-                )?;
-                None
-            }
-        }
+        let first_attention =
+            c.layer_types.iter().position(|t| *t == cherenkov_model::LayerType::Attention).map_or(1, |i| i + 1);
+        let depths = peer_depths(args.peer_layers as usize, c.num_hidden_layers, first_attention);
+        run_peer(args, &store.dir.join("config.json"), &depths, out)?
     };
 
     // Report.
@@ -933,17 +973,40 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     }
     md.push_str(&anatomy_table(&cases));
     md.push_str(&flagged_turn_table(&cases));
-    if let Some(p) = &peer {
-        let tps = p["tokens_per_s"].as_f64().unwrap_or(0.0);
+    // The peer's rates by depth, its 48-layer extrapolation, and Cherenkov's resident rate against
+    // it: at 48 layers (both extrapolated) and at a depth both ran.
+    let peer_rates: Vec<(usize, f64)> =
+        peer_runs.iter().filter_map(|r| Some((r["layers"].as_u64()? as usize, r["tokens_per_s"].as_f64()?))).collect();
+    let peer_48 = peer_at_depth(48, &peer_rates);
+    let ours_48 = per_layer(&cases[0]);
+    let same_depth = peer_rates.iter().find(|(d, _)| *d == cases[0].depth).map(|&(_, tps)| cases[0].tok_s / tps);
+    if let Some(first) = peer_runs.first() {
+        let list = |f: &dyn Fn(&(usize, f64)) -> String| peer_rates.iter().map(f).collect::<Vec<_>>().join(" and ");
         md.push_str(&format!(
-            "\nPeer: {} on the same shape ({} layers, {} experts, all on the GPU): {:.2} tok/s decode; Cherenkov resident is {:.1}x that.\n",
-            p["peer"].as_str().unwrap_or("transformers"),
-            p["layers"],
-            p["experts"],
-            tps,
-            cases[0].tok_s / tps.max(1e-9)
+            "\nPeer: {}, all on the GPU, on the same shape ({} experts) at {} layers: {} tok/s decode (`--peer-layers`: its bf16 experts take about 5 GB a layer, so it runs no deeper than fits beside this run).",
+            first["peer"].as_str().unwrap_or("transformers"),
+            first["experts"],
+            list(&|r| r.0.to_string()),
+            list(&|r| format!("{:.2}", r.1)),
         ));
+        if let Some(p48) = peer_48 {
+            md.push_str(&format!(
+                " At 48 layers, by the same per-layer extrapolation as Cherenkov's figures: {p48:.2} tok/s; Cherenkov with every expert resident ({ours_48:.1} tok/s at 48 layers) is {:.1}x that.",
+                ours_48 / p48.max(1e-9)
+            ));
+        }
+        if let Some(x) = same_depth {
+            md.push_str(&format!(
+                " At this run's depth ({} layers) Cherenkov resident ({:.1} tok/s) is {x:.1}x the peer.",
+                cases[0].depth, cases[0].tok_s
+            ));
+        }
+        md.push('\n');
     }
+    let peer = (!peer_runs.is_empty()).then(|| {
+        json!({"runs": peer_runs, "tok_s_48_layers": peer_48,
+               "resident_ratio_48_layers": peer_48.map(|p| ours_48 / p), "resident_ratio_same_depth": same_depth})
+    });
     std::fs::create_dir_all(&args.out)?;
     let stem = args.out.join(format!("bench-{date}"));
     std::fs::write(stem.with_extension("md"), &md)?;
@@ -984,6 +1047,26 @@ mod tests {
         assert!((tok_s_at_depth(48, 0.0, step(4), 4) - 1e3 * 4.0 / 48.0 / step(4)).abs() < 1e-6);
         // Noise that tilts the line below zero at zero layers gives no negative part.
         assert_eq!(per_token_part(1.0, 4, 0.2, 2), 0.0);
+    }
+
+    #[test]
+    fn the_peer_runs_at_the_depths_that_fit_and_extrapolates_like_cherenkov() {
+        // No deeper than --peer-layers or the store, and at half that for the extrapolation.
+        assert_eq!(peer_depths(8, 32, 4), vec![8, 4]);
+        assert_eq!(peer_depths(5, 32, 1), vec![5, 2]);
+        assert_eq!(peer_depths(8, 1, 1), vec![1]);
+        // Never shallower than the first attention layer (layer 4 of the released shape).
+        assert_eq!(peer_depths(8, 4, 4), vec![4]);
+        assert_eq!(peer_depths(6, 32, 4), vec![6, 4]);
+        assert_eq!(peer_depths(2, 32, 4), vec![4]);
+        // 12 ms per token plus 3 ms per layer (an eager peer's host time grows with depth too).
+        let tps = |layers: usize| 1e3 / (12.0 + 3.0 * layers as f64);
+        let at48 = peer_at_depth(48, &[(8, tps(8)), (4, tps(4))]).unwrap();
+        assert!((at48 - tps(48)).abs() < 1e-9, "{at48} against {}", tps(48));
+        // One run, two runs at one depth, or a run that reported nothing: no extrapolation.
+        assert_eq!(peer_at_depth(48, &[(8, tps(8))]), None);
+        assert_eq!(peer_at_depth(48, &[(4, tps(4)), (4, tps(4))]), None);
+        assert_eq!(peer_at_depth(48, &[(8, tps(8)), (4, 0.0)]), None);
     }
 
     #[test]
