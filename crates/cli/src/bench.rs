@@ -7,8 +7,9 @@
 //! then from a cold cache; and with some misses computed on the CPU, `--cpu-experts`, pinned and
 //! not); hit rates, lookahead accuracy, bytes read per token and
 //! where the time goes; the offline policy study (LRU, LRFU, Belady) on the streamed run's routing
-//! trace; the roofline ratios; and the same shape in transformers' eager implementation. The model
-//! has random weights and skewed synthetic routers (see `cherenkov_engine::routing`); its depth is
+//! trace; the roofline ratios; and the same shape in transformers' eager implementation (at the
+//! depths that fit beside the run, `--peer-layers`, extrapolated per layer as Cherenkov's
+//! figures are). The model has random weights and skewed synthetic routers (see `cherenkov_engine::routing`); its depth is
 //! `--layers` (to fit a disk), and 48-layer figures are extrapolated per layer from it and half of
 //! it (a per-token part and a per-layer part) and said so.
 
