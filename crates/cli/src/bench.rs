@@ -355,16 +355,22 @@ fn peer_depths(peer_layers: usize, layers: usize, first_attention: usize) -> Vec
     if half >= 1 && half < full { vec![full, half] } else { vec![full] }
 }
 
-/// The peer's rate at `target` layers from its runs at two depths (`(layers, tok/s)`, deepest
-/// first), extrapolated as Cherenkov's 48-layer figures are: a per-token part and a per-layer
-/// part. None without two usable runs at different depths.
-fn peer_at_depth(target: usize, runs: &[(usize, f64)]) -> Option<f64> {
+/// The peer's step as Cherenkov's 48-layer figures model one, from its runs at two depths
+/// (`(layers, tok/s)`, deepest first): a per-token part and a part per layer, in ms. None without
+/// two usable runs at different depths.
+fn peer_line(runs: &[(usize, f64)]) -> Option<(f64, f64)> {
     let [(deep, deep_tps), (shallow, shallow_tps)] = *runs else { return None };
     if deep == shallow || deep_tps <= 0.0 || shallow_tps <= 0.0 {
         return None;
     }
     let (deep_ms, shallow_ms) = (1e3 / deep_tps, 1e3 / shallow_tps);
-    Some(tok_s_at_depth(target, per_token_part(deep_ms, deep, shallow_ms, shallow), deep_ms, deep))
+    let fixed = per_token_part(deep_ms, deep, shallow_ms, shallow);
+    Some((fixed, (deep_ms - fixed).max(0.0) / deep as f64))
+}
+
+/// The peer's rate at `target` layers by [`peer_line`].
+fn peer_at_depth(target: usize, runs: &[(usize, f64)]) -> Option<f64> {
+    peer_line(runs).map(|(fixed, layer)| 1e3 / (fixed + target as f64 * layer))
 }
 
 /// Runs `tools/bench/hf_peer.py` on `config` at each of `depths`; returns the runs that reported
@@ -990,9 +996,9 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             list(&|r| r.0.to_string()),
             list(&|r| format!("{:.2}", r.1)),
         ));
-        if let Some(p48) = peer_48 {
+        if let (Some(p48), Some((fixed, layer))) = (peer_48, peer_line(&peer_rates)) {
             md.push_str(&format!(
-                " At 48 layers, by the same per-layer extrapolation as Cherenkov's figures: {p48:.2} tok/s; Cherenkov with every expert resident ({ours_48:.1} tok/s at 48 layers) is {:.1}x that.",
+                " At 48 layers, by the same per-layer extrapolation as Cherenkov's figures ({fixed:.1} ms a token and {layer:.2} ms a layer from its two depths; a per-token part below zero counts as zero): {p48:.2} tok/s; Cherenkov with every expert resident ({ours_48:.1} tok/s at 48 layers) is {:.1}x that.",
                 ours_48 / p48.max(1e-9)
             ));
         }
@@ -1005,7 +1011,9 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         md.push('\n');
     }
     let peer = (!peer_runs.is_empty()).then(|| {
+        let line = peer_line(&peer_rates);
         json!({"runs": peer_runs, "tok_s_48_layers": peer_48,
+               "per_token_ms": line.map(|l| l.0), "per_layer_ms": line.map(|l| l.1),
                "resident_ratio_48_layers": peer_48.map(|p| ours_48 / p), "resident_ratio_same_depth": same_depth})
     });
     std::fs::create_dir_all(&args.out)?;
@@ -1064,6 +1072,12 @@ mod tests {
         let tps = |layers: usize| 1e3 / (12.0 + 3.0 * layers as f64);
         let at48 = peer_at_depth(48, &[(8, tps(8)), (4, tps(4))]).unwrap();
         assert!((at48 - tps(48)).abs() < 1e-9, "{at48} against {}", tps(48));
+        let (fixed, layer) = peer_line(&[(8, tps(8)), (4, tps(4))]).unwrap();
+        assert!((fixed - 12.0).abs() < 1e-9 && (layer - 3.0).abs() < 1e-9, "{fixed} {layer}");
+        // A step that grows faster than its depth (session 40's peer: 40.5 ms at 8 layers, 14.7 at
+        // 4) meets zero layers below zero: every millisecond then counts per layer.
+        let (fixed, layer) = peer_line(&[(8, 1e3 / 40.5), (4, 1e3 / 14.7)]).unwrap();
+        assert!(fixed == 0.0 && (layer - 40.5 / 8.0).abs() < 1e-9, "{fixed} {layer}");
         // One run, two runs at one depth, or a run that reported nothing: no extrapolation.
         assert_eq!(peer_at_depth(48, &[(8, tps(8))]), None);
         assert_eq!(peer_at_depth(48, &[(4, tps(4)), (4, tps(4))]), None);
