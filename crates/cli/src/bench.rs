@@ -80,8 +80,9 @@ pub struct BenchArgs {
     pub no_peer: bool,
     /// Decoder layers of the transformers peer. Its bf16 experts take about 5 GB a layer of the
     /// released shape, so a deep store does not fit beside the run: the peer runs at the lower of
-    /// this and --layers and at half that, and its 48-layer rate is extrapolated per layer as
-    /// Cherenkov's is.
+    /// this and --layers and at half that, never shallower than the first attention layer (4 in
+    /// the released shape: transformers' cache needs one), and its 48-layer rate is extrapolated
+    /// per layer as Cherenkov's is.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
     pub peer_layers: u32,
     /// Threads that read missing expert records from the store when the expert file is not
