@@ -7,7 +7,7 @@ one JSON line: {"tokens": N, "seconds": S, "tokens_per_s": N/S, ...}. `--layers 
 first N decoder layers of that config (its bf16 experts take about 5 GB a layer of the released
 shape, so a deep benchmark store does not fit beside the run). Used by `cherenkov bench` (which
 passes the synthetic store's config.json, `--peer-layers`); runs where torch and transformers 5.17
-are installed (the GPU machine; `--device cpu` for a small config elsewhere).
+are installed (the GPU machine).
 
     python3 tools/bench/hf_peer.py --config STORE/config.json --tokens 32 --layers 8
 """
@@ -28,12 +28,11 @@ def main():
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--layers", type=int, default=None,
                     help="build only the first N decoder layers (default: all of the config's)")
-    ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
 
     cfg = json.load(open(args.config))
     text = cfg.get("text_config", cfg)
-    text = with_layers(dict(text), args.layers)
+    text = with_layers(dict(text), args.layers, args.config)
     text["model_type"] = "qwen4_exp_text"
     config = transformers.AutoConfig.for_model(**text)
     config._attn_implementation = "eager"
@@ -41,24 +40,23 @@ def main():
     # Built in bf16 from the start: built in f32 and converted, 8 layers of the released shape
     # would hold 80 GB and then 120 GB at once, beside the benchmark's own model.
     torch.set_default_dtype(torch.bfloat16)
-    with torch.device(args.device):
+    with torch.device("cuda"):
         model = transformers.Qwen4ExpForCausalLM(config).to(torch.bfloat16).eval()
     vocab = min(config.vocab_size, 500)
-    ids = torch.randint(0, vocab, (1, args.prompt_tokens), device=args.device)
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    ids = torch.randint(0, vocab, (1, args.prompt_tokens), device="cuda")
 
     def decode(n):
         with torch.no_grad():
             out = model(input_ids=ids, use_cache=True)
             cache = out.past_key_values
             tok = out.logits[:, -1:].argmax(-1)
-            sync()
+            torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(n):
                 out = model(input_ids=tok, past_key_values=cache, use_cache=True)
                 cache = out.past_key_values
                 tok = out.logits[:, -1:].argmax(-1)
-            sync()
+            torch.cuda.synchronize()
             return time.perf_counter() - t0
 
     decode(args.warmup)
@@ -70,18 +68,18 @@ def main():
         "tokens": args.tokens,
         "seconds": secs,
         "tokens_per_s": args.tokens / secs,
-        "gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else 0.0,
+        "gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
     }))
 
 
-def with_layers(text, layers):
+def with_layers(text, layers, path):
     """The text config `text` cut to its first `layers` decoder layers (None: unchanged): the
     per-layer list (`layer_types`) cut to match and the PLE layers beyond the cut dropped."""
     if layers is None:
         return text
     full = text.get("num_hidden_layers")
     if layers < 1 or (full is not None and layers > full):
-        raise SystemExit(f"--layers {layers}: the config has {full} decoder layers; give 1 to {full}")
+        raise SystemExit(f"--layers {layers}: {path} has {full} decoder layers; give 1 to {full}")
     text["num_hidden_layers"] = layers
     if isinstance(text.get("layer_types"), list):
         text["layer_types"] = text["layer_types"][:layers]

@@ -8,10 +8,11 @@
 //! not); hit rates, lookahead accuracy, bytes read per token and
 //! where the time goes; the offline policy study (LRU, LRFU, Belady) on the streamed run's routing
 //! trace; the roofline ratios; and the same shape in transformers' eager implementation (at the
-//! depths that fit beside the run, `--peer-layers`, extrapolated per layer as Cherenkov's
-//! figures are). The model has random weights and skewed synthetic routers (see `cherenkov_engine::routing`); its depth is
-//! `--layers` (to fit a disk), and 48-layer figures are extrapolated per layer from it and half of
-//! it (a per-token part and a per-layer part) and said so.
+//! depths that fit beside the run, `--peer-layers`, extrapolated per layer as Cherenkov's figures
+//! are). The model has random weights and skewed synthetic routers (see
+//! `cherenkov_engine::routing`); its depth is `--layers` (to fit a disk), and 48-layer figures are
+//! extrapolated per layer from it and half of it (a per-token part and a per-layer part) and said
+//! so.
 
 use std::io::Write;
 use std::os::fd::AsRawFd;
@@ -353,7 +354,7 @@ fn pcie_share_at(k: &Case, target: usize, roofline_at: f64, host_to_device: f64,
 fn peer_depths(peer_layers: usize, layers: usize, first_attention: usize) -> Vec<usize> {
     let full = peer_layers.max(first_attention).min(layers).max(1);
     let half = (full / 2).max(first_attention);
-    if half >= 1 && half < full { vec![full, half] } else { vec![full] }
+    if half < full { vec![full, half] } else { vec![full] }
 }
 
 /// The peer's step as Cherenkov's 48-layer figures model one, from its runs at two depths
