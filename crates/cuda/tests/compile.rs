@@ -72,6 +72,7 @@ const VARIANTS: &[&str] = &[
     "HC_EARLY_RELEASE",
     "HC_NO_PRELOAD",
     "MV_FLOAT_STREAMS",
+    "MV_IDLE_WAIT",
     "MV_INT_NORM",
     "MV_L2_PASS",
     "MV_NO_DP4A",

@@ -1140,8 +1140,16 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
     typedef MvFmt<BITS> F;
     // The part and its block: from the flat grid of matvec_many_ahead, else (blockIdx.y, .x).
     const int p = AHEAD ? flat_p : (int)blockIdx.y, bx = AHEAD ? flat_bx : (int)blockIdx.x;
-    if (bx >= nb * ks) {  // the whole block: nothing has synchronised yet
+    if (bx >= nb * ks) {
+        // A block beyond the part's own (the grid is as wide as the widest part) reads and writes
+        // nothing, so it leaves at once, before the wait: its slot is free for the blocks behind
+        // it while the previous kernel still runs (the GDN in_proj's grid of 640 has 382 such
+        // blocks, and 396 blocks fit the GPU at once), and it counts as released (an exited block
+        // does for griddepcontrol.launch_dependents). `MV_IDLE_WAIT` (a measurement define): wait
+        // and release first, as before session 41.
+#ifdef MV_IDLE_WAIT
         grid_enter();
+#endif
         return;
     }
     // (An unsigned division, as before the flat grid: a signed one cost matvec_many_48 20 bytes of
