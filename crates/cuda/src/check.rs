@@ -969,6 +969,7 @@ pub fn block_checks(cuda: &CudaModel, cpu: &CpuModel, rng: &mut Rng, label: &str
                 let emb = ple::gather_embeddings(store, &c, &hash, table, &[tok], &ctx)?;
                 ple::forward(store, &c, cp, &emb, &mut x, &mut conv);
                 cuda.ple_gather(&sc, &hash, i, tok, &ctx)?;
+                cuda.load_step_inputs(&sc, tok, 0)?;
                 cuda.ple(&sc, gp, i, &dconv)?;
                 worst = worst.max(rel_err(&read(sc.x.ptr, width)?, &x));
                 ctx.insert(0, if step == 2 { c.eos().unwrap_or(0) } else { tok });

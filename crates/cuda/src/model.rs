@@ -294,9 +294,31 @@ pub(crate) struct Scratch {
     pub(crate) idx: DevBuf,
     pub(crate) logits: DevBuf,
     pub(crate) moe: MoeBufs,
-    /// The step inputs the kernels read: token, position (i32 each); and their host side.
+    /// The step inputs the kernels read, uploaded in one copy at the step's start: token and
+    /// position (i32 each), then from [`STEP_PLE_AT`] each PLE layer's gathered n-gram rows
+    /// ([`ple_rows_at`]); and their host side.
     pub(crate) step_in: DevBuf,
     pub(crate) step_host: Pinned,
+}
+
+/// Where the PLE rows start in the step inputs (bytes): past the token and position, aligned as
+/// a matvec's input.
+pub(crate) const STEP_PLE_AT: usize = 256;
+
+/// Bytes of the step inputs for `c`: the token and position, then each PLE layer's rows.
+fn step_in_bytes(c: &TextConfig) -> usize {
+    STEP_PLE_AT + c.ple_layer_ids.len() * ple_row_bytes(c)
+}
+
+/// Bytes a PLE layer's rows take in the step inputs (rounded up to keep the next layer's aligned).
+fn ple_row_bytes(c: &TextConfig) -> usize {
+    (c.ple_embed_dim * 4).next_multiple_of(STEP_PLE_AT)
+}
+
+/// Byte offset in the step inputs of the rows of PLE layer `ple_index` (its place in
+/// `ple_layer_ids`).
+fn ple_rows_at(c: &TextConfig, ple_index: usize) -> usize {
+    STEP_PLE_AT + ple_index * ple_row_bytes(c)
 }
 
 /// What a streamed layer's segment graph ([`CudaModel::queue_layer_head`]) was captured for:
@@ -392,8 +414,6 @@ pub(crate) struct MoeBufs {
     /// the combination read them from device memory. The kernels take the relay's address; the
     /// step's graph zeroes every `seen` first.
     relays: DevBuf,
-    /// PLE rows gathered on the host `[decoder layer, ple_embed_dim]`.
-    ple_host: Pinned,
     /// The MoE input as the host sees it `[l, hidden]`, and the outputs of the experts computed
     /// on the CPU `[l, k, hidden]` (`--cpu-experts`; empty without).
     x_host: Pinned,
@@ -823,7 +843,6 @@ impl MoeBufs {
             ready: gpu.pinned(l * 4, what)?,
             flags,
             relays,
-            ple_host: gpu.pinned(f32s(c.num_hidden_layers * c.ple_embed_dim), "the PLE rows")?,
             x_host: cpu_bufs.0,
             cpu_out: cpu_bufs.1,
             map: None,
@@ -912,8 +931,8 @@ impl CudaModel {
             idx: z(4 * 4096, "attention token lists")?,
             logits: z(f32s(c.vocab_size), "logits")?,
             moe: MoeBufs::new(&gpu, &c, store.manifest.experts.layers.len(), false)?,
-            step_in: z(16, "the step inputs")?,
-            step_host: gpu.pinned(16, "the step inputs")?,
+            step_in: z(step_in_bytes(&c), "the step inputs")?,
+            step_host: gpu.pinned(step_in_bytes(&c), "the step inputs")?,
         };
         gpu.sync()?;
         let predicted = Mutex::new(vec![None; store.manifest.experts.layers.len()]);
@@ -1147,7 +1166,7 @@ impl CudaModel {
     fn queue_step<'p>(&'p self, s: &mut CudaSession, sc: &mut Scratch, want: Want, st: &mut MoeStep<'p>) -> Result<()> {
         let g = &*self.gpu;
         let w = &self.weights;
-        g.upload(sc.step_in.ptr, &sc.step_host, 0, 8)?;
+        self.upload_step_inputs(sc)?;
         w.embed_tokens.embed(g, sc.step_in.ptr, sc.x.ptr, self.config().hc_count)?;
         let pos = s.pos;
         let depth = self.depth.min(w.layers.len());
@@ -1288,7 +1307,7 @@ impl CudaModel {
     fn queue_flagged_step(&self, s: &mut CudaSession, sc: &mut Scratch, want: Want) -> Result<()> {
         let g = &*self.gpu;
         let w = &self.weights;
-        g.upload(sc.step_in.ptr, &sc.step_host, 0, 8)?;
+        self.upload_step_inputs(sc)?;
         w.embed_tokens.embed(g, sc.step_in.ptr, sc.x.ptr, self.config().hc_count)?;
         let pos = s.pos;
         let depth = self.depth.min(w.layers.len());
@@ -1506,7 +1525,14 @@ impl CudaModel {
     /// Writes the step inputs and queues their upload (the kernel checks: one block at a time).
     pub(crate) fn load_step_inputs(&self, sc: &Scratch, tok: u32, pos: usize) -> Result<()> {
         self.set_step_inputs(sc, tok, pos)?;
-        self.gpu.upload(sc.step_in.ptr, &sc.step_host, 0, 8)
+        self.upload_step_inputs(sc)
+    }
+
+    /// Queues the upload of the step inputs: token, position and the PLE rows the host gathered
+    /// ([`CudaModel::ple_gather`]), one copy at the step's start (a copy between two kernels
+    /// costs the step its latency: about 13-19 us where the PLE rows had one of their own).
+    pub(crate) fn upload_step_inputs(&self, sc: &Scratch) -> Result<()> {
+        self.gpu.upload(sc.step_in.ptr, &sc.step_host, 0, sc.step_host.bytes)
     }
 
     /// Writes the step's token and position into pinned memory (uploaded by the step's work).
@@ -1809,7 +1835,8 @@ impl CudaModel {
     }
 
     /// Gathers the n-gram rows of the step's token for PLE layer `layer` (host side: the table
-    /// stays on disk) into that layer's row of pinned memory, for [`CudaModel::ple`] to upload.
+    /// stays on disk) into that layer's place in the step inputs, which
+    /// [`CudaModel::upload_step_inputs`] uploads for [`CudaModel::ple`].
     pub(crate) fn ple_gather(
         &self,
         sc: &Scratch,
@@ -1821,14 +1848,15 @@ impl CudaModel {
         let c = self.config();
         let table = self.store.ngram_table(layer).context("store has no n-gram table")?;
         let emb = gather_embeddings(&self.store, c, hash, table, &[tok], context)?;
-        let (at, n) = (layer * c.ple_embed_dim, c.ple_embed_dim);
+        let k = c.ple_index(layer).with_context(|| format!("layer {layer} is not a PLE layer"))?;
+        let (at, n) = (ple_rows_at(c, k) / 4, c.ple_embed_dim);
         if emb.len() != n {
             bail!("PLE rows of layer {layer}: {} values gathered, {n} expected", emb.len());
         }
-        // SAFETY: this layer's row is written once per step, and its previous upload finished
+        // SAFETY: this layer's rows are written once per step, and their previous upload finished
         // before the step began (steps end with a stream sync; the checks read results back in
         // between).
-        unsafe { sc.moe.ple_host.as_mut_slice::<f32>()[at..at + n].copy_from_slice(&emb) };
+        unsafe { sc.step_host.as_mut_slice::<f32>()[at..at + n].copy_from_slice(&emb) };
         Ok(())
     }
 
@@ -1838,29 +1866,37 @@ impl CudaModel {
         let c = self.config();
         let g = &*self.gpu;
         let (h, hc) = (c.hidden_size, c.hc_count);
-        let [e, key, value, kn, qn, gated, _] = &sc.big;
-        let (at, n) = (layer * c.ple_embed_dim, c.ple_embed_dim);
-        g.upload(e.ptr, &sc.moe.ple_host, at * 4, n * 4)?;
-        p.key_proj.matvec(g, e.ptr, key.ptr)?;
-        p.value_proj.matvec(g, e.ptr, value.ptr)?;
-        self.rmsnorm(key.ptr, p.norm_key.ptr, kn.ptr, hc, h, c.hc_hidden())?;
-        self.rmsnorm(sc.x.ptr, p.norm_query.ptr, qn.ptr, hc, h, c.hc_hidden())?;
+        let [_, key, value, gn, _, gated, _] = &sc.big;
+        let k = c.ple_index(layer).with_context(|| format!("layer {layer} is not a PLE layer"))?;
+        // The rows came with the step inputs' upload.
+        let e = sc.step_in.ptr + ple_rows_at(c, k) as u64;
+        matvec_many(g, e, &[(&p.key_proj, key.ptr), (&p.value_proj, value.ptr)])?;
+        // The key's, the residual's and the gated values' norms in the gate's launch.
         g.launch(
             "ple_gate",
             (hc as u32, 1, 1),
-            256,
+            1024,
             0,
-            &[Arg::Ptr(kn.ptr), Arg::Ptr(qn.ptr), Arg::Ptr(value.ptr), Arg::Ptr(gated.ptr), Arg::I32(h as i32)],
+            &[
+                Arg::Ptr(key.ptr),
+                Arg::Ptr(sc.x.ptr),
+                Arg::Ptr(value.ptr),
+                Arg::Ptr(p.norm_key.ptr),
+                Arg::Ptr(p.norm_query.ptr),
+                Arg::Ptr(p.norm_conv.ptr),
+                Arg::Ptr(gated.ptr),
+                Arg::Ptr(gn.ptr),
+                Arg::I32(h as i32),
+                Arg::F32(c.rms_norm_eps as f32),
+            ],
         )?;
-        // The normalised gated values reuse `key`'s buffer.
-        self.rmsnorm(gated.ptr, p.norm_conv.ptr, key.ptr, hc, h, c.hc_hidden())?;
         g.launch(
             "ple_conv",
             (blocks(c.hc_hidden(), 256), 1, 1),
             256,
             0,
             &[
-                Arg::Ptr(key.ptr),
+                Arg::Ptr(gn.ptr),
                 Arg::Ptr(gated.ptr),
                 Arg::Ptr(state.ptr),
                 Arg::Ptr(p.conv1d.ptr),

@@ -1,19 +1,39 @@
 // PLE gating and its dilated convolution; MoE routing, the experts following the address table, and
 // the combination of their outputs.
 
-// PLE gate, one block per stream s: g = <kn_s, qn_s> / sqrt(H); g = sign(g) sqrt(max(|g|, 1e-6));
-// gated_s = sigmoid(g) * value.
-extern "C" __global__ void ple_gate(const float* kn, const float* qn, const float* value, float* gated, int H) {
+// PLE gate with its three zero-centred norms, one block per stream s (launched with 1024 threads):
+// kn = norm_key(key)_s, qn = norm_query(x)_s; g = <kn, qn> / sqrt(H); g = sign(g) sqrt(max(|g|,
+// 1e-6)); gated_s = sigmoid(g) * value; gn_s = norm_conv(gated)_s, for ple_conv. The norms' weights
+// span the hc * H row. Each norm is a scale of its input, so the sums are taken in one pass: <key,
+// x> weighted, |key|^2, |x|^2 and |value|^2 (|gated_s|^2 = sigmoid(g)^2 |value|^2).
+extern "C" __global__ void ple_gate(const float* key, const float* x, const float* value, const float* wk,
+                                    const float* wq, const float* wc, float* gated, float* gn, int H, float eps) {
     KSPAN;
     grid_enter();
     __shared__ float scratch[32];
-    const int s = blockIdx.x;
-    float acc = 0.0f;
-    for (int j = threadIdx.x; j < H; j += blockDim.x) acc += kn[(size_t)s * H + j] * qn[(size_t)s * H + j];
-    float g = block_sum(acc, scratch) * rsqrtf((float)H);
+    const size_t o = (size_t)blockIdx.x * H;
+    float kq = 0.0f, kk = 0.0f, qq = 0.0f, vv = 0.0f;
+    for (int j = threadIdx.x; j < H; j += blockDim.x) {
+        const float k = key[o + j], q = x[o + j], v = value[j];
+        kq += k * (1.0f + wk[o + j]) * (q * (1.0f + wq[o + j]));
+        kk += k * k;
+        qq += q * q;
+        vv += v * v;
+    }
+    kq = block_sum(kq, scratch);
+    kk = block_sum(kk, scratch);
+    qq = block_sum(qq, scratch);
+    vv = block_sum(vv, scratch);
+    const float inv_k = rsqrtf(kk / (float)H + eps), inv_q = rsqrtf(qq / (float)H + eps);
+    float g = kq * inv_k * inv_q * rsqrtf((float)H);
     g = (g == 0.0f) ? 0.0f : copysignf(sqrtf(fmaxf(fabsf(g), 1e-6f)), g);
     const float sg = sigmoidf_(g);
-    for (int j = threadIdx.x; j < H; j += blockDim.x) gated[(size_t)s * H + j] = sg * value[j];
+    const float inv_g = rsqrtf(sg * sg * vv / (float)H + eps);
+    for (int j = threadIdx.x; j < H; j += blockDim.x) {
+        const float gv = sg * value[j];
+        gated[o + j] = gv;
+        gn[o + j] = gv * inv_g * (1.0f + wc[o + j]);
+    }
 }
 
 // PLE output, one thread per channel c of the W = hc*H streams: the causal depthwise conv with
@@ -693,6 +713,8 @@ __device__ void warp_sort_desc(u64* s, int n) {
 // the whole block (blockDim.x a multiple of 32, at least 256). The k-th largest key is found 8 bits
 // at a time from the top (a shared histogram of the next byte of the keys that match so far; lanes
 // with the same byte add once), then the keys at or above it are gathered and warp 0 sorts them.
+// Once the byte's bin holds exactly the keys still needed (with distinct logits, after two or three
+// of the eight bytes), the prefix so far is the threshold: every key at or above it is chosen.
 // `hist`: 256 shared counters; `sel`: 3 shared words.
 template <int E>
 __device__ void block_top_keys(const u64 (&key)[E], int k, u64* out, u32* hist, u32* sel) {
@@ -730,15 +752,19 @@ __device__ void block_top_keys(const u64 (&key)[E], int k, u64* out, u32* hist, 
                 while (above + c[j] < need) above += c[j++];
                 sel[0] = 255 - 8 * lane - j;
                 sel[1] = above;
+                sel[2] = c[j];
             }
         }
         __syncthreads();
         prefix |= (u64)sel[0] << shift;
         mask |= 0xFFull << shift;
         need -= sel[1];
+        const bool whole_bin = sel[2] == need;
         __syncthreads();
+        if (whole_bin) break;
     }
-    // prefix is the k-th largest key: exactly k keys are at or above it.
+    // Exactly k keys are at or above prefix (the k-th largest key, or its leading bytes where the loop
+    // stopped at a whole bin).
     if (threadIdx.x == 0) sel[2] = 0;
     __syncthreads();
 #pragma unroll
