@@ -7,9 +7,9 @@
 //! then from a cold cache; and with some misses computed on the CPU, `--cpu-experts`, pinned and
 //! not); hit rates, lookahead accuracy, bytes read per token and
 //! where the time goes; the offline policy study (LRU, LRFU, Belady) on the streamed run's routing
-//! trace; the roofline ratios; and the same shape in transformers' eager implementation (at the
-//! depths that fit beside the run, `--peer-layers`, extrapolated per layer as Cherenkov's figures
-//! are). The model has random weights and skewed synthetic routers (see
+//! trace; the roofline ratios; and the same shape in transformers' eager implementation (first,
+//! alone on the GPU, at the depths that fit it, `--peer-layers`, extrapolated per layer as
+//! Cherenkov's figures are). The model has random weights and skewed synthetic routers (see
 //! `cherenkov_engine::routing`); its depth is `--layers` (to fit a disk), and 48-layer figures are
 //! extrapolated per layer from it and half of it (a per-token part and a per-layer part) and said
 //! so.
@@ -80,10 +80,11 @@ pub struct BenchArgs {
     #[arg(long)]
     pub no_peer: bool,
     /// Decoder layers of the transformers peer. Its bf16 experts take about 5 GB a layer of the
-    /// released shape, so a deep store does not fit beside the run: the peer runs at the lower of
+    /// released shape, so the 48-layer model does not fit the GPU: the peer runs at the lower of
     /// this and --layers and at half that, never shallower than the first attention layer (4 in
     /// the released shape: transformers' cache needs one), twice at each depth in turn (its faster
-    /// run counts), and its 48-layer rate is extrapolated per layer as Cherenkov's is.
+    /// run counts), and its 48-layer rate is extrapolated per layer as Cherenkov's is. It runs
+    /// first, before the bench takes the GPU, and times --tokens tokens as the cases do.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
     pub peer_layers: u32,
     /// Threads that read missing expert records from the store when the expert file is not
@@ -407,7 +408,7 @@ fn run_peer(
         let o = std::process::Command::new(&args.python)
             .args(["tools/bench/hf_peer.py", "--config"])
             .arg(config)
-            .args(["--tokens", &args.tokens.min(32).to_string(), "--layers", &depth.to_string()])
+            .args(["--tokens", &args.tokens.to_string(), "--layers", &depth.to_string()])
             .output()
             .with_context(|| format!("running {} tools/bench/hf_peer.py", args.python))?;
         let text = String::from_utf8_lossy(&o.stdout);
@@ -508,6 +509,19 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     }
     let store = Arc::new(Store::open(&dir)?);
     let c = store.config().clone();
+
+    // The peer first, before this process takes the GPU, pins the expert file or starts its
+    // threads, so that nothing of ours runs beside it (in session 42 its 4-layer runs decoded
+    // 43-47 tok/s after the cases and 68-71 alone, 32 tokens each).
+    let (peer_runs, peer_depths_run) = if args.no_peer {
+        (Vec::new(), Vec::new())
+    } else {
+        let first_attention =
+            c.layer_types.iter().position(|t| *t == cherenkov_model::LayerType::Attention).map_or(1, |i| i + 1);
+        let depths = peer_depths(args.peer_layers as usize, c.num_hidden_layers, first_attention);
+        (run_peer(args, &store.dir.join("config.json"), &depths, out)?, depths)
+    };
+
     let gpu = Gpu::new()?;
     let bw = measure_bandwidth(&gpu, 2 << 30)?;
     writeln!(
@@ -826,16 +840,6 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     }
     let belady = policies.last().map(|p| p.1).unwrap_or(1.0);
 
-    // The peer, at the depths that fit beside this run.
-    let (peer_runs, peer_depths_run) = if args.no_peer {
-        (Vec::new(), Vec::new())
-    } else {
-        let first_attention =
-            c.layer_types.iter().position(|t| *t == cherenkov_model::LayerType::Attention).map_or(1, |i| i + 1);
-        let depths = peer_depths(args.peer_layers as usize, c.num_hidden_layers, first_attention);
-        (run_peer(args, &store.dir.join("config.json"), &depths, out)?, depths)
-    };
-
     // Report.
     let date = today();
     let mut md = String::new();
@@ -1011,7 +1015,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     if let Some(first) = peer_runs.first() {
         let list = |f: &dyn Fn(&(usize, f64)) -> String| peer_rates.iter().map(f).collect::<Vec<_>>().join(" and ");
         md.push_str(&format!(
-            "\nPeer: {}, all on the GPU, on the same shape ({} experts) at {} layers: {} tok/s decode, each depth's faster run of two (the runs in order, layers: tok/s: {}; `--peer-layers`: its bf16 experts take about 5 GB a layer, so it runs no deeper than fits beside this run).",
+            "\nPeer: {}, all on the GPU, on the same shape ({} experts) at {} layers: {} tok/s decode, each depth's faster run of two (the runs in order, layers: tok/s: {}; `--peer-layers`: its bf16 experts take about 5 GB a layer, so the 48-layer model does not fit the GPU; it ran first, alone on the GPU, timing as many tokens as the cases).",
             first["peer"].as_str().unwrap_or("transformers"),
             first["experts"],
             list(&|r| r.0.to_string()),
