@@ -482,6 +482,9 @@ fn drop_page_cache(path: &std::path::Path) -> Result<()> {
 }
 
 pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
+    // A machine without a usable GPU is told so before the store (tens of GB) is written; the
+    // probe's context is let go, so the peer below runs alone.
+    cherenkov_cuda::gpu::probe().context("cherenkov bench measures on the GPU")?;
     let reg = Registry::open_default()?;
     let skew = Skew::parse(&args.synthetic_routing)?;
     let shape = SynthShape {
