@@ -970,7 +970,7 @@ pub fn block_checks(cuda: &CudaModel, cpu: &CpuModel, rng: &mut Rng, label: &str
                 ple::forward(store, &c, cp, &emb, &mut x, &mut conv);
                 cuda.ple_gather(&sc, &hash, i, tok, &ctx)?;
                 cuda.load_step_inputs(&sc, tok, 0)?;
-                cuda.ple(&sc, gp, i, &dconv)?;
+                cuda.ple(&sc, gp, &dconv)?;
                 worst = worst.max(rel_err(&read(sc.x.ptr, width)?, &x));
                 ctx.insert(0, if step == 2 { c.eos().unwrap_or(0) } else { tok });
                 ctx.truncate(c.ngram_size - 1);

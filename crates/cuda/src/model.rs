@@ -303,7 +303,7 @@ pub(crate) struct Scratch {
 
 /// Where the PLE rows start in the step inputs (bytes): past the token and position, aligned as
 /// a matvec's input.
-pub(crate) const STEP_PLE_AT: usize = 256;
+const STEP_PLE_AT: usize = 256;
 
 /// Bytes of the step inputs for `c`: the token and position, then each PLE layer's rows.
 fn step_in_bytes(c: &TextConfig) -> usize {
@@ -1207,7 +1207,7 @@ impl CudaModel {
                     if segs.graphs[i].is_none() {
                         let graph = self
                             .gpu
-                            .capture(|| self.queue_layer_head(sc, i, layer, ls, pos, next, anatomy_event, 0))
+                            .capture(|| self.queue_layer_head(sc, layer, ls, pos, next, anatomy_event, 0))
                             .with_context(|| format!("decoder layer {i}'s segment graph (streamed step)"))?;
                         segs.graphs[i] = Some(graph);
                     }
@@ -1218,7 +1218,7 @@ impl CudaModel {
                         a.blocks = (pos + 1) / q.compress_ratio;
                     }
                 }
-                None => self.queue_layer_head(sc, i, layer, ls, pos, next, anatomy_event, 0)?,
+                None => self.queue_layer_head(sc, layer, ls, pos, next, anatomy_event, 0)?,
             }
             // The head is on the stream either way: `moe` queues the rest.
             st.head_queued = true;
@@ -1315,7 +1315,7 @@ impl CudaModel {
         let mut after = 0u64;
         for (i, (layer, ls)) in w.layers.iter().zip(s.layers.iter_mut()).enumerate().take(depth) {
             let next = w.layers[..depth].get(i + 1).map(|l| &l.moe);
-            self.queue_layer_head(sc, i, layer, ls, pos, next, false, after)?;
+            self.queue_layer_head(sc, layer, ls, pos, next, false, after)?;
             self.queue_flagged_tail(sc, &layer.moe)?;
             after = sc.moe.flag_relay(layer.moe.expert_slot, FLAG_TURN);
         }
@@ -1459,14 +1459,13 @@ impl CudaModel {
         Ok(())
     }
 
-    /// Queues decoder layer `i` up to its MoE block's routing: the PLE, the mixer with its
+    /// Queues decoder layer `layer` up to its MoE block's routing: the PLE, the mixer with its
     /// hyper-connection read, the MoE block's read and its head ([`CudaModel::moe_head`], with
     /// its timed router-ready event where `anatomy_event`).
     #[allow(clippy::too_many_arguments)]
     fn queue_layer_head(
         &self,
         sc: &mut Scratch,
-        i: usize,
         layer: &crate::weights::Layer,
         ls: &mut crate::session::LayerState,
         pos: usize,
@@ -1476,7 +1475,7 @@ impl CudaModel {
     ) -> Result<()> {
         if let Some(p) = &layer.ple {
             let state = ls.ple_conv.as_ref().context("PLE state")?;
-            self.ple(sc, p, i, state)?;
+            self.ple(sc, p, state)?;
         }
         self.hc_read(sc, &layer.attn_hc)?;
         // The mixer's output projection injects its rows into the residual as it writes them.
@@ -1860,16 +1859,15 @@ impl CudaModel {
         Ok(())
     }
 
-    /// The PLE block of decoder layer `layer` (rows gathered by [`CudaModel::ple_gather`]):
-    /// x += ple(x).
-    pub(crate) fn ple(&self, sc: &Scratch, p: &crate::weights::Ple, layer: usize, state: &DevBuf) -> Result<()> {
+    /// The PLE block of weights `p` (its rows gathered by [`CudaModel::ple_gather`] and uploaded with
+    /// the step inputs): x += ple(x).
+    pub(crate) fn ple(&self, sc: &Scratch, p: &crate::weights::Ple, state: &DevBuf) -> Result<()> {
         let c = self.config();
         let g = &*self.gpu;
         let (h, hc) = (c.hidden_size, c.hc_count);
         let [_, key, value, gn, _, gated, _] = &sc.big;
-        let k = c.ple_index(layer).with_context(|| format!("layer {layer} is not a PLE layer"))?;
         // The rows came with the step inputs' upload.
-        let e = sc.step_in.ptr + ple_rows_at(c, k) as u64;
+        let e = sc.step_in.ptr + ple_rows_at(c, p.ple_index) as u64;
         matvec_many(g, e, &[(&p.key_proj, key.ptr), (&p.value_proj, value.ptr)])?;
         // The key's, the residual's and the gated values' norms in the gate's launch.
         g.launch(
