@@ -79,14 +79,16 @@ pub struct BenchArgs {
     /// Skip the transformers peer.
     #[arg(long)]
     pub no_peer: bool,
-    /// Decoder layers of the transformers peer. Its bf16 experts take about 5 GB a layer of the
-    /// released shape, so the 48-layer model does not fit the GPU: the peer runs at the lower of
-    /// this and --layers and at half that, never shallower than the first attention layer (4 in
-    /// the released shape: transformers' cache needs one), twice at each depth in turn (its faster
-    /// run counts), and its 48-layer rate is extrapolated per layer as Cherenkov's is. It runs
-    /// first, before the bench takes the GPU, and times --tokens tokens as the cases do.
-    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
-    pub peer_layers: u32,
+    /// Decoder layers of the transformers peer (default: the deepest multiple of the attention
+    /// layers' spacing whose bf16 model fits the GPU's free memory with a tenth to spare: 24 on a
+    /// 141 GB H200, 12 on an 80 GB card). Its bf16 experts take about 5 GB a layer of the released
+    /// shape, so the 48-layer model does not fit the GPU: the peer runs at the lower of this and
+    /// --layers and at half that, never shallower than the first attention layer (4 in the
+    /// released shape: transformers' cache needs one), twice at each depth in turn (its faster run
+    /// counts), and its 48-layer rate is extrapolated per layer as Cherenkov's is. It runs first,
+    /// before the bench takes the GPU, and times --tokens tokens as the cases do.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub peer_layers: Option<u32>,
     /// Threads that read missing expert records from the store when the expert file is not
     /// pinned (the pinned cases copy from the page cache without them).
     #[arg(long, default_value_t = 8)]
@@ -358,6 +360,40 @@ fn peer_depths(peer_layers: usize, layers: usize, first_attention: usize) -> Vec
     if half < full { vec![full, half] } else { vec![full] }
 }
 
+/// GPU memory the transformers peer holds at `depth` layers of `c` (its model in bf16, all on the
+/// GPU): the tensors outside the decoder layers, the dense tensors, routed experts and n-gram
+/// tables of its first `depth` layers, 2 bytes a parameter, and [`PEER_OVERHEAD`].
+fn peer_bytes(c: &TextConfig, depth: usize) -> u64 {
+    let held = |name: &str| match name.strip_prefix("layers.") {
+        Some(rest) => rest.split('.').next().and_then(|i| i.parse::<usize>().ok()).is_some_and(|i| i < depth),
+        None => true,
+    };
+    let dense: usize =
+        arch::dense_specs(c, 0).iter().filter(|s| held(&s.name)).map(|s| s.shape.iter().product::<usize>()).sum();
+    let expert: usize = arch::expert_shapes(c).iter().map(|s| s[0] * s[1]).sum();
+    let ngram: u64 = (0..depth).filter_map(|i| arch::ngram_table_shape(c, i)).map(|(rows, w)| rows * w as u64).sum();
+    2 * (dense as u64 + (expert * c.num_experts * depth) as u64 + ngram) + PEER_OVERHEAD
+}
+
+/// The peer's memory beyond its parameters: activations, its cache and the allocator's. Session 43
+/// measured torch's `max_memory_allocated` at 22.79, 42.12 and 80.78 GiB at 4, 8 and 16 layers of
+/// the released shape (the bench's n-gram rows), 0.07-0.10 GiB above their parameters. What it
+/// does not count (CUDA's context, the allocator's cached blocks) is left to [`peer_fit`]'s tenth.
+const PEER_OVERHEAD: u64 = 128 << 20;
+
+/// The peer's default depth: the deepest multiple of `period` (the attention layers' spacing, so
+/// that its two depths hold the same mix of layers), at most `layers`, whose [`peer_bytes`] and a
+/// tenth more fit `free` bytes of GPU memory; `period` where none fits (its runs may then fail,
+/// and the report says so).
+fn peer_fit(c: &TextConfig, free: u64, period: usize, layers: usize) -> usize {
+    let period = period.max(1);
+    (1..=layers / period)
+        .map(|n| n * period)
+        .take_while(|&d| peer_bytes(c, d) as f64 * 1.1 <= free as f64)
+        .last()
+        .unwrap_or(period)
+}
+
 /// The order the peer runs in: each of `depths` twice, deepest first and then in reverse (8, 4, 4,
 /// 8), so that neither depth always runs first. Single runs of the peer moved by up to 20% in
 /// session 41 (at 8 layers alone on the GPU: 29.6 and 35.4 tok/s in one call).
@@ -484,7 +520,7 @@ fn drop_page_cache(path: &std::path::Path) -> Result<()> {
 pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     // A machine without a usable GPU is told so before the store (tens of GB) is written; the
     // probe's context is let go, so the peer below runs alone.
-    cherenkov_cuda::gpu::probe().context("cherenkov bench measures on the GPU")?;
+    let probe = cherenkov_cuda::gpu::probe().context("cherenkov bench measures on the GPU")?;
     let reg = Registry::open_default()?;
     let skew = Skew::parse(&args.synthetic_routing)?;
     let shape = SynthShape {
@@ -516,13 +552,28 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     // The peer first, before this process takes the GPU, pins the expert file or starts its
     // threads, so that nothing of ours runs beside it (in session 42 its 4-layer runs decoded
     // 43-47 tok/s after the cases and 68-71 alone, 32 tokens each).
-    let (peer_runs, peer_depths_run) = if args.no_peer {
-        (Vec::new(), Vec::new())
+    let (peer_runs, peer_depths_run, peer_rule) = if args.no_peer {
+        (Vec::new(), Vec::new(), String::new())
     } else {
         let first_attention =
             c.layer_types.iter().position(|t| *t == cherenkov_model::LayerType::Attention).map_or(1, |i| i + 1);
-        let depths = peer_depths(args.peer_layers as usize, c.num_hidden_layers, first_attention);
-        (run_peer(args, &store.dir.join("config.json"), &depths, out)?, depths)
+        let (layers, rule) = match args.peer_layers {
+            Some(n) => (n as usize, format!("`--peer-layers {n}`")),
+            None => {
+                let fit = peer_fit(&c, probe.free_bytes as u64, first_attention, c.num_hidden_layers);
+                let (need, free) = (peer_bytes(&c, fit), probe.free_bytes as u64);
+                let fits = if need as f64 * 1.1 <= free as f64 { "fits" } else { "does not fit (no depth does)" };
+                let rule = format!(
+                    "the deepest multiple of {first_attention} layers, at most --layers, whose bf16 model (about {} at {fit} layers) fits the GPU's {} free with a tenth to spare; this one {fits}",
+                    format_bytes(need),
+                    format_bytes(free)
+                );
+                eprintln!("the transformers peer's depth: {rule}");
+                (fit, rule)
+            }
+        };
+        let depths = peer_depths(layers, c.num_hidden_layers, first_attention);
+        (run_peer(args, &store.dir.join("config.json"), &depths, out)?, depths, rule)
     };
 
     let gpu = Gpu::new()?;
@@ -1018,7 +1069,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     if let Some(first) = peer_runs.first() {
         let list = |f: &dyn Fn(&(usize, f64)) -> String| peer_rates.iter().map(f).collect::<Vec<_>>().join(" and ");
         md.push_str(&format!(
-            "\nPeer: {}, all on the GPU, on the same shape ({} experts) at {} layers: {} tok/s decode, each depth's faster run of two (the runs in order, layers: tok/s: {}; `--peer-layers`: its bf16 experts take about 5 GB a layer, so the 48-layer model does not fit the GPU; it ran first, alone on the GPU, timing as many tokens as the cases).",
+            "\nPeer: {}, all on the GPU, on the same shape ({} experts) at {} layers: {} tok/s decode, each depth's faster run of two (the runs in order, layers: tok/s: {}; its depth: {peer_rule}, and half that; its bf16 experts take about 5 GB a layer, so the 48-layer model does not fit the GPU; it ran first, alone on the GPU, timing as many tokens as the cases).",
             first["peer"].as_str().unwrap_or("transformers"),
             first["experts"],
             list(&|r| r.0.to_string()),
@@ -1041,7 +1092,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     }
     let peer = (!peer_runs.is_empty()).then(|| {
         let line = peer_line(&peer_rates);
-        json!({"runs": peer_runs, "best": peer_rates.iter().map(|r| json!({"layers": r.0, "tokens_per_s": r.1})).collect::<Vec<_>>(),
+        json!({"runs": peer_runs, "depth_rule": peer_rule, "best": peer_rates.iter().map(|r| json!({"layers": r.0, "tokens_per_s": r.1})).collect::<Vec<_>>(),
                "tok_s_48_layers": peer_48,
                "per_token_ms": line.map(|l| l.0), "per_layer_ms": line.map(|l| l.1),
                "resident_ratio_48_layers": peer_48.map(|p| ours_48 / p), "resident_ratio_same_depth": same_depth})
@@ -1070,6 +1121,41 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const GIB: f64 = (1u64 << 30) as f64;
+
+    /// The bench's model at 32 layers of the released shape (its n-gram rows), as session 43 ran it.
+    fn bench_config() -> TextConfig {
+        let shape = SynthShape {
+            num_hidden_layers: 32,
+            num_experts: 512,
+            ngram_vocab_size_base: 200_003,
+            ..SynthShape::flash()
+        };
+        ModelConfig::from_value(&shape.config_json()).unwrap().text
+    }
+
+    #[test]
+    fn the_peer_memory_estimate_matches_what_the_peer_held() {
+        // torch's max_memory_allocated in session 43's runs (bench-2026-12-03-s43-*.json).
+        let c = bench_config();
+        for (depth, held) in [(4, 22.79), (8, 42.12), (16, 80.78)] {
+            let est = peer_bytes(&c, depth) as f64 / GIB;
+            eprintln!("{depth} layers: {est:.2} GiB estimated, {held} held");
+            assert!((est - held).abs() / held < 0.01, "{depth} layers: {est:.2} GiB estimated, {held} held");
+        }
+    }
+
+    #[test]
+    fn the_peer_runs_as_deep_as_fits_the_gpu() {
+        let c = bench_config();
+        // An H200 (139.3 GiB free), an 80 GB card, and one that holds no depth at all.
+        assert_eq!(peer_fit(&c, (139.3 * GIB) as u64, 4, 32), 24);
+        assert_eq!(peer_fit(&c, (79.0 * GIB) as u64, 4, 32), 12);
+        assert_eq!(peer_fit(&c, (139.3 * GIB) as u64, 4, 16), 16);
+        assert_eq!(peer_fit(&c, (10.0 * GIB) as u64, 4, 32), 4);
+        assert_eq!(peer_depths(peer_fit(&c, (139.3 * GIB) as u64, 4, 32), 32, 4), vec![24, 12]);
+    }
 
     #[test]
     fn the_per_layer_extrapolation_recovers_a_linear_step() {
