@@ -5,9 +5,11 @@ Builds the model from a `config.json` (random weights, bf16, on the GPU), prefil
 `--prompt-tokens` random ids, then decodes `--tokens` tokens greedily with the KV cache, and prints
 one JSON line: {"tokens": N, "seconds": S, "tokens_per_s": N/S, ...}. `--layers N` builds only the
 first N decoder layers of that config (its bf16 experts take about 5 GB a layer of the released
-shape, so a deep benchmark store does not fit beside the run). Used by `cherenkov bench` (which
-passes the synthetic store's config.json, `--peer-layers`); runs where torch and transformers 5.17
-are installed (the GPU machine).
+shape, so the 48-layer model does not fit one GPU). Used by `cherenkov bench`, which passes the
+synthetic store's config.json and the depths that fit the GPU (`--peer-layers`) and runs it
+before it takes the GPU itself; runs where torch and transformers 5.17 are installed (the GPU
+machine). "gpu_memory_gib" in its line is torch's max_memory_allocated, which the bench's memory
+estimate for choosing the depth was checked against.
 
     python3 tools/bench/hf_peer.py --config STORE/config.json --tokens 32 --layers 8
 """
