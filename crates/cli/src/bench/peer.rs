@@ -36,7 +36,7 @@ pub(super) fn measure(
         None => {
             let fit = peer_fit(c, free, first_attention, c.num_hidden_layers);
             let need = peer_bytes(c, fit);
-            let fits = if need as f64 * 1.1 <= free as f64 { "fits" } else { "does not fit (no depth does)" };
+            let fits = if peer_fits(c, fit, free) { "fits" } else { "does not fit (no depth does)" };
             let rule = format!(
                 "the deepest multiple of {first_attention} layers, at most --layers, whose bf16 model (about {} at {fit} layers) fits the GPU's {} free with a tenth to spare; this one {fits}",
                 format_bytes(need),
@@ -126,20 +126,21 @@ fn peer_bytes(c: &TextConfig, depth: usize) -> u64 {
 /// measured torch's `max_memory_allocated` at 22.79, 42.12, 61.45, 80.78 and 119.44 GiB at 4, 8,
 /// 12, 16 and 24 layers of the released shape (the bench's n-gram rows), 0.07-0.12 GiB above their
 /// parameters. What it does not count (CUDA's context, the allocator's cached blocks) is left to
-/// [`peer_fit`]'s tenth.
+/// [`peer_fits`]'s tenth.
 const PEER_OVERHEAD: u64 = 128 << 20;
 
+/// Whether the peer at `depth` layers of `c` fits `free` bytes of GPU memory: its [`peer_bytes`]
+/// and a tenth more.
+fn peer_fits(c: &TextConfig, depth: usize, free: u64) -> bool {
+    peer_bytes(c, depth) as f64 * 1.1 <= free as f64
+}
+
 /// The peer's default depth: the deepest multiple of `period` (the attention layers' spacing, so
-/// that its two depths hold the same mix of layers), at most `layers`, whose [`peer_bytes`] and a
-/// tenth more fit `free` bytes of GPU memory; `period` where none fits (its runs may then fail,
-/// and the report says so).
+/// that the deeper depth holds whole groups of layers) at most `layers` that [`peer_fits`] `free`
+/// bytes of GPU memory; `period` where none fits (its runs may then fail, and the report says so).
 fn peer_fit(c: &TextConfig, free: u64, period: usize, layers: usize) -> usize {
     let period = period.max(1);
-    (1..=layers / period)
-        .map(|n| n * period)
-        .take_while(|&d| peer_bytes(c, d) as f64 * 1.1 <= free as f64)
-        .last()
-        .unwrap_or(period)
+    (1..=layers / period).map(|n| n * period).take_while(|&d| peer_fits(c, d, free)).last().unwrap_or(period)
 }
 
 /// The order the peer runs in: each of `depths` twice, deepest first and then in reverse (8, 4, 4,
