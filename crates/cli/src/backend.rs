@@ -84,6 +84,38 @@ impl Backend for AnyModel {
         }
     }
 
+    fn enable_drafting(&self, s: &mut AnySession) -> Result<()> {
+        match (self, s) {
+            (AnyModel::Cpu(m), AnySession::Cpu(s)) => m.enable_drafting(s),
+            (AnyModel::Cuda(m), AnySession::Cuda(s)) => m.enable_drafting(s),
+            _ => anyhow::bail!("a session of one backend was given to another"),
+        }
+    }
+
+    fn draft(&self, s: &mut AnySession, next: u32) -> Result<Vec<f32>> {
+        match (self, s) {
+            (AnyModel::Cpu(m), AnySession::Cpu(s)) => m.draft(s, next),
+            (AnyModel::Cuda(m), AnySession::Cuda(s)) => m.draft(s, next),
+            _ => anyhow::bail!("a session of one backend was given to another"),
+        }
+    }
+
+    fn verify(&self, s: &mut AnySession, tokens: &[u32]) -> Result<Vec<f32>> {
+        match (self, s) {
+            (AnyModel::Cpu(m), AnySession::Cpu(s)) => m.verify(s, tokens),
+            (AnyModel::Cuda(m), AnySession::Cuda(s)) => m.verify(s, tokens),
+            _ => anyhow::bail!("a session of one backend was given to another"),
+        }
+    }
+
+    fn commit(&self, s: &mut AnySession, keep: usize) -> Result<()> {
+        match (self, s) {
+            (AnyModel::Cpu(m), AnySession::Cpu(s)) => m.commit(s, keep),
+            (AnyModel::Cuda(m), AnySession::Cuda(s)) => m.commit(s, keep),
+            _ => anyhow::bail!("a session of one backend was given to another"),
+        }
+    }
+
     fn vocab_size(&self) -> usize {
         match self {
             AnyModel::Cpu(m) => m.config().vocab_size,

@@ -54,6 +54,7 @@ pub fn run(args: &DemoArgs, out: &mut dyn Write) -> Result<()> {
         system: None,
         raw: false,
         layers: true,
+        draft: 0,
         check: false,
         load: LoadArgs {
             expert_cache: Some(half.to_string()),

@@ -36,6 +36,12 @@ pub struct RunArgs {
     /// Print the per-layer expert-cache table after the text.
     #[arg(long)]
     pub layers: bool,
+    /// Speculative decoding: tokens the checkpoint's MTP head drafts per decode step (0: off; 1 is
+    /// the most supported). The trunk checks the draft in the same forward as the token before it
+    /// and keeps it where its own sample agrees, so the text is the same as without drafting; the
+    /// summary reports how many drafts were accepted. CPU backend only, for now.
+    #[arg(long, default_value_t = 0, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=cherenkov_engine::generate::MAX_DRAFT as i64))]
+    pub draft: u8,
     /// Run the CPU reference beside CUDA on the same tokens and report the largest logit difference
     /// per step; fail if one exceeds 2e-3 of the reference's largest logit.
     #[arg(long)]
@@ -147,6 +153,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
         sampling: args.sampling.resolve(dir),
         stop_tokens: eos,
         stop_strings: vec![],
+        draft: args.draft as usize,
     };
     opts.sampling.validate()?;
     let model = &loaded.model;
@@ -216,5 +223,14 @@ pub fn summary(g: &Generation, before: &PoolStats, after: &PoolStats) -> String 
         format_bytes(bytes),
         format_bytes(bytes / tokens),
         waited
-    )
+    ) + &match t.acceptance() {
+        Some(a) => format!(
+            "\n[MTP drafts: {} of {} accepted ({:.1}%), {:.2} tokens per decode step]",
+            t.accepted,
+            t.drafted,
+            100.0 * a,
+            t.decode_tokens as f64 / t.decode_steps.max(1) as f64
+        ),
+        None => String::new(),
+    }
 }

@@ -61,6 +61,27 @@ fn greedy_run_is_deterministic_and_the_shorthand_works() {
 }
 
 #[test]
+fn drafted_run_writes_the_same_text_and_reports_the_drafts() {
+    let home = Home::new();
+    let model = fixture("tiny-a/mlx4");
+    let m = model.to_str().unwrap();
+    let args = ["run", m, "hello", "--temperature", "1", "--seed", "5", "--max-tokens", "12", "--backend", "cpu"];
+    let plain = home.run(&args);
+    let drafted = home.run(&[&args[..], &["--draft", "1"]].concat());
+    assert!(drafted.status.success(), "{}", String::from_utf8_lossy(&drafted.stderr));
+    assert_eq!(plain.stdout, drafted.stdout, "drafting changed the text");
+    let err = String::from_utf8_lossy(&drafted.stderr);
+    assert!(err.contains("MTP drafts:") && err.contains("accepted"), "{err}");
+    assert!(!String::from_utf8_lossy(&plain.stderr).contains("MTP drafts:"));
+    let two = home.run(&[&args[..], &["--draft", "2"]].concat());
+    let e = String::from_utf8_lossy(&two.stderr);
+    assert!(!two.status.success() && e.contains("--draft") && e.contains("0..=1"), "{e}");
+    let b = fixture("tiny-b/mlx4");
+    let e = home.fails(&["run", b.to_str().unwrap(), "hi", "--draft", "1", "--backend", "cpu"]);
+    assert!(e.contains("no MTP head"), "{e}");
+}
+
+#[test]
 fn bad_input_is_refused_clearly() {
     let home = Home::new();
     let e = home.fails(&["run", "no-such-model", "hi"]);

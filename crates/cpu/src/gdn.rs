@@ -13,8 +13,16 @@ use crate::ops::{l2_normalize, rsqrt_mean_sq, sigmoid, silu, softplus};
 use crate::state::GdnState;
 use crate::weights::GatedDeltaNet;
 
-/// `h` is `[t, H]`; returns `[t, H]` and advances the state by t tokens.
-pub fn forward(store: &Store, c: &TextConfig, w: &GatedDeltaNet, st: &mut GdnState, h: &[f32]) -> Vec<f32> {
+/// `h` is `[t, H]`; returns `[t, H]` and advances the state by t tokens. With `rows`, the state
+/// after each token is pushed there (a verifying forward, which may keep fewer rows).
+pub fn forward(
+    store: &Store,
+    c: &TextConfig,
+    w: &GatedDeltaNet,
+    st: &mut GdnState,
+    h: &[f32],
+    mut rows: Option<&mut Vec<GdnState>>,
+) -> Vec<f32> {
     let hid = c.hidden_size;
     let t = h.len() / hid;
     let (nk, nv, dk, dv) =
@@ -92,6 +100,9 @@ pub fn forward(store: &Store, c: &TextConfig, w: &GatedDeltaNet, st: &mut GdnSta
                     out[j] += row[j] * qh[i];
                 }
             }
+        }
+        if let Some(rows) = rows.as_deref_mut() {
+            rows.push(st.clone());
         }
     }
 

@@ -17,9 +17,9 @@ use cherenkov_model::ngram::NgramHash;
 use cherenkov_model::store::Store;
 
 use crate::ops::Rope;
-use crate::state::{CpuSession, MixerState};
-use crate::weights::{Mixer, Weights};
-use crate::{attention, gdn, hyper, moe, ple};
+use crate::state::{AttentionState, CpuSession, MixerState, MtpState, RowStates, Verify};
+use crate::weights::{HyperConnection, Mixer, Weights};
+use crate::{attention, gdn, hyper, moe, mtp, ple};
 
 pub struct CpuModel {
     pub store: Arc<Store>,
@@ -76,6 +76,177 @@ impl CpuModel {
     /// Runs `tokens` through the model after the session's history; returns logits
     /// (`[vocab]` for [`Logits::Last`], `[tokens, vocab]` for [`Logits::All`]).
     pub fn forward(&self, s: &mut CpuSession, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {
+        if s.verify.is_some() {
+            bail!("the session's verifying forward is not committed yet (commit it before the next forward)");
+        }
+        let clock = cherenkov_engine::stats::ENABLED.then(std::time::Instant::now);
+        let (x, _) = self.trunk(s, tokens, false)?;
+        if s.mtp.is_some() {
+            self.mtp_catch_up(s, &x, tokens)?;
+        }
+        let width = self.config().hc_hidden();
+        let rows: &[f32] = match which {
+            Logits::All => &x,
+            Logits::Last => &x[(tokens.len() - 1) * width..],
+        };
+        let logits = self.logits(&self.weights.hyper_connection_mixer, rows);
+        if let Some(c) = clock {
+            self.pool.record_forward(tokens.len() as u64, c.elapsed().as_nanos() as u64);
+        }
+        Ok(logits)
+    }
+
+    /// Like [`CpuModel::forward`] with every row's logits, keeping each row's recurrent state so
+    /// that [`CpuModel::commit`] can keep only the first rows (the drafted tokens it accepts).
+    pub fn verify(&self, s: &mut CpuSession, tokens: &[u32]) -> Result<Vec<f32>> {
+        if s.verify.is_some() {
+            bail!("the session's verifying forward is not committed yet (commit it before the next forward)");
+        }
+        let clock = cherenkov_engine::stats::ENABLED.then(std::time::Instant::now);
+        let (pos0, ngram_context0) = (s.pos, s.ngram_context.clone());
+        let (x, rows) = self.trunk(s, tokens, true)?;
+        let (mixer_rows, ple_rows) = rows.expect("recorded");
+        let logits = self.logits(&self.weights.hyper_connection_mixer, &x);
+        s.verify = Some(Verify { pos0, ngram_context0, tokens: tokens.to_vec(), mixer_rows, ple_rows, hidden: x });
+        if let Some(c) = clock {
+            self.pool.record_forward(tokens.len() as u64, c.elapsed().as_nanos() as u64);
+        }
+        Ok(logits)
+    }
+
+    /// Keeps the first `keep` rows of the last [`CpuModel::verify`].
+    pub fn commit(&self, s: &mut CpuSession, keep: usize) -> Result<()> {
+        let Some(v) = s.verify.take() else { bail!("there is no verifying forward to commit") };
+        let n = v.tokens.len();
+        if keep == 0 || keep > n {
+            s.verify = Some(v);
+            bail!("commit keeps 1 to {n} rows of the verifying forward, not {keep}");
+        }
+        let c = self.config();
+        for ((ls, mixer), ple) in s.layers.iter_mut().zip(v.mixer_rows).zip(v.ple_rows) {
+            match (&mut ls.mixer, mixer) {
+                (MixerState::Gdn(st), RowStates::Gdn(mut rows)) => *st = rows.swap_remove(keep - 1),
+                (MixerState::Attention(st), RowStates::Attention) => st.truncate(c, v.pos0 + keep),
+                _ => unreachable!("recorded by this session's forward"),
+            }
+            if let (Some(conv), Some(mut rows)) = (ls.ple_conv.as_mut(), ple) {
+                *conv = rows.swap_remove(keep - 1);
+            }
+        }
+        s.pos = v.pos0 + keep;
+        s.ngram_context = v.ngram_context0;
+        advance_context(c, &mut s.ngram_context, &v.tokens[..keep]);
+        if s.mtp.is_some() {
+            self.mtp_catch_up(s, &v.hidden[..keep * c.hc_hidden()], &v.tokens[..keep])?;
+        }
+        Ok(())
+    }
+
+    /// Turns drafting on for a fresh session.
+    pub fn enable_drafting(&self, s: &mut CpuSession) -> Result<()> {
+        let Some(mtp) = &self.weights.mtp else {
+            bail!("the model in {} has no MTP head, so it cannot draft tokens", self.store.dir.display());
+        };
+        if s.pos != 0 {
+            bail!("drafting must start with the sequence (this session already holds {} tokens)", s.pos);
+        }
+        s.mtp = Some(MtpState {
+            layers: vec![AttentionState::empty(); mtp.layers.len()],
+            pos: 0,
+            pending: Vec::new(),
+            pending_tokens: Vec::new(),
+        });
+        Ok(())
+    }
+
+    /// The MTP head's logits for the token after `next` (which follows the session's history).
+    pub fn draft(&self, s: &mut CpuSession, next: u32) -> Result<Vec<f32>> {
+        let c = self.config();
+        if next as usize >= c.vocab_size {
+            bail!("token id {next} is outside the vocabulary (vocab_size {})", c.vocab_size);
+        }
+        if s.verify.is_some() {
+            bail!("the session's verifying forward is not committed yet (commit it before drafting)");
+        }
+        let (Some(w), Some(m)) = (&self.weights.mtp, s.mtp.as_mut()) else {
+            bail!("drafting is off for this session");
+        };
+        if m.pending_tokens.len() != 1 {
+            bail!("nothing to draft from: no forward has run in this session yet");
+        }
+        let x = mtp::forward(
+            &self.store,
+            c,
+            &self.rope,
+            w,
+            0,
+            self.weights.embed_tokens,
+            &self.pool,
+            &mut m.layers[0],
+            &m.pending,
+            &[next],
+            m.pos,
+        )?;
+        m.pos += 1;
+        m.pending.clear();
+        m.pending_tokens.clear();
+        Ok(self.logits(&w.hyper_connection_mixer, &x))
+    }
+
+    /// Gives the MTP head the trunk rows `x` of `tokens`: every waiting row whose following token
+    /// is now known runs through the head; the last row waits for its following token.
+    fn mtp_catch_up(&self, s: &mut CpuSession, x: &[f32], tokens: &[u32]) -> Result<()> {
+        let c = self.config();
+        let width = c.hc_hidden();
+        let (Some(w), Some(m)) = (&self.weights.mtp, s.mtp.as_mut()) else { return Ok(()) };
+        m.pending.extend_from_slice(x);
+        m.pending_tokens.extend_from_slice(tokens);
+        let n = m.pending_tokens.len();
+        if n < 2 {
+            return Ok(());
+        }
+        let MtpState { layers, pos, pending, pending_tokens } = m;
+        mtp::forward(
+            &self.store,
+            c,
+            &self.rope,
+            w,
+            0,
+            self.weights.embed_tokens,
+            &self.pool,
+            &mut layers[0],
+            &pending[..(n - 1) * width],
+            &pending_tokens[1..],
+            *pos,
+        )
+        .context("MTP head")?;
+        *pos += n - 1;
+        pending.drain(..(n - 1) * width);
+        pending_tokens.drain(..n - 1);
+        Ok(())
+    }
+
+    /// `rows` (`[t, hc * H]`) through a final mixer and `lm_head`: `[t, vocab]`.
+    fn logits(&self, mixer: &HyperConnection, rows: &[f32]) -> Vec<f32> {
+        let store = &*self.store;
+        let width = self.config().hc_hidden();
+        let (mixed, _) = hyper::read(store, self.config(), mixer, rows);
+        let lm = self.weights.lm_head.lin(store);
+        let mut logits = vec![0f32; (rows.len() / width) * lm.rows()];
+        lm.forward(&mixed, &mut logits);
+        logits
+    }
+
+    /// Runs the decoder layers over `tokens` after the session's history; returns the residual
+    /// rows before the final mixer (`[t, hc * H]`). With `record`, also each layer's state after
+    /// each row (the mixers', then the PLE histories').
+    #[allow(clippy::type_complexity)]
+    fn trunk(
+        &self,
+        s: &mut CpuSession,
+        tokens: &[u32],
+        record: bool,
+    ) -> Result<(Vec<f32>, Option<(Vec<RowStates>, Vec<Option<Vec<Vec<f32>>>>)>)> {
         let c = self.config();
         let store = &*self.store;
         if tokens.is_empty() {
@@ -84,7 +255,6 @@ impl CpuModel {
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
             bail!("token id {bad} is outside the vocabulary (vocab_size {})", c.vocab_size);
         }
-        let clock = cherenkov_engine::stats::ENABLED.then(std::time::Instant::now);
         let (h, width) = (c.hidden_size, c.hc_hidden());
         let t = tokens.len();
         let embed = self.weights.embed_tokens.lin(store);
@@ -97,20 +267,37 @@ impl CpuModel {
             }
         }
 
+        let mut mixer_rows = Vec::new();
+        let mut ple_rows = Vec::new();
         for (i, (layer, ls)) in self.weights.layers.iter().zip(s.layers.iter_mut()).enumerate() {
+            let mut ple_r = (record && layer.ple.is_some()).then(Vec::new);
             if let (Some(p), Some(hash)) = (&layer.ple, &self.ngram[i]) {
                 let table = store.ngram_table(i).expect("checked at load");
                 let emb = ple::gather_embeddings(store, c, hash, table, tokens, &s.ngram_context)?;
-                ple::forward(store, c, p, &emb, &mut x, ls.ple_conv.as_mut().expect("PLE state"));
+                let conv = ls.ple_conv.as_mut().expect("PLE state");
+                ple::forward(store, c, p, &emb, &mut x, conv, ple_r.as_mut());
             }
             let (inp, inj) = hyper::read(store, c, &layer.attn_hc, &x);
             let out = match (&layer.mixer, &mut ls.mixer) {
-                (Mixer::Gdn(w), MixerState::Gdn(st)) => gdn::forward(store, c, w, st, &inp),
+                (Mixer::Gdn(w), MixerState::Gdn(st)) => {
+                    let mut rows = record.then(Vec::new);
+                    let out = gdn::forward(store, c, w, st, &inp, rows.as_mut());
+                    if let Some(rows) = rows {
+                        mixer_rows.push(RowStates::Gdn(rows));
+                    }
+                    out
+                }
                 (Mixer::Attention(w), MixerState::Attention(st)) => {
+                    if record {
+                        mixer_rows.push(RowStates::Attention);
+                    }
                     attention::forward(store, c, &self.rope, w, st, &inp, s.pos)
                 }
                 _ => unreachable!("session built for this model"),
             };
+            if record {
+                ple_rows.push(ple_r);
+            }
             hyper::inject(c, &mut x, &inj.expect("attention hyper-connection injects"), &out);
             let (inp, inj) = hyper::read(store, c, &layer.mlp_hc, &x);
             let skew = self.skew.as_deref();
@@ -132,24 +319,17 @@ impl CpuModel {
             hyper::inject(c, &mut x, &inj.expect("MLP hyper-connection injects"), &out);
         }
 
-        for &tok in tokens {
-            s.ngram_context.insert(0, tok);
-            s.ngram_context.truncate(c.ngram_size.saturating_sub(1));
-        }
+        advance_context(c, &mut s.ngram_context, tokens);
         s.pos += t;
+        Ok((x, record.then_some((mixer_rows, ple_rows))))
+    }
+}
 
-        let rows: &[f32] = match which {
-            Logits::All => &x,
-            Logits::Last => &x[(t - 1) * width..],
-        };
-        let (mixed, _) = hyper::read(store, c, &self.weights.hyper_connection_mixer, rows);
-        let lm = self.weights.lm_head.lin(store);
-        let mut logits = vec![0f32; (rows.len() / width) * lm.rows()];
-        lm.forward(&mixed, &mut logits);
-        if let Some(c) = clock {
-            self.pool.record_forward(t as u64, c.elapsed().as_nanos() as u64);
-        }
-        Ok(logits)
+/// The n-gram context after `tokens`: the last `ngram_size - 1` tokens, most recent first.
+fn advance_context(c: &TextConfig, ctx: &mut Vec<u32>, tokens: &[u32]) {
+    for &tok in tokens {
+        ctx.insert(0, tok);
+        ctx.truncate(c.ngram_size.saturating_sub(1));
     }
 }
 
@@ -178,6 +358,22 @@ impl Backend for CpuModel {
 
     fn forward(&self, s: &mut CpuSession, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {
         CpuModel::forward(self, s, tokens, which)
+    }
+
+    fn enable_drafting(&self, s: &mut CpuSession) -> Result<()> {
+        CpuModel::enable_drafting(self, s)
+    }
+
+    fn draft(&self, s: &mut CpuSession, next: u32) -> Result<Vec<f32>> {
+        CpuModel::draft(self, s, next)
+    }
+
+    fn verify(&self, s: &mut CpuSession, tokens: &[u32]) -> Result<Vec<f32>> {
+        CpuModel::verify(self, s, tokens)
+    }
+
+    fn commit(&self, s: &mut CpuSession, keep: usize) -> Result<()> {
+        CpuModel::commit(self, s, keep)
     }
 
     fn vocab_size(&self) -> usize {

@@ -66,8 +66,17 @@ fn decode_row(p: Precision, cols: usize, bytes: &[u8], out: &mut [f32]) {
     }
 }
 
-/// Adds the PLE output to `x` (`[t, hc * H]`). `conv` is the layer's dilated-conv history.
-pub fn forward(store: &Store, c: &TextConfig, w: &Ple, emb: &[f32], x: &mut [f32], conv: &mut [f32]) {
+/// Adds the PLE output to `x` (`[t, hc * H]`). `conv` is the layer's dilated-conv history; with
+/// `rows`, its value after each token is pushed there (a verifying forward).
+pub fn forward(
+    store: &Store,
+    c: &TextConfig,
+    w: &Ple,
+    emb: &[f32],
+    x: &mut [f32],
+    conv: &mut [f32],
+    mut rows: Option<&mut Vec<Vec<f32>>>,
+) {
     let (h, n_hc) = (c.hidden_size, c.hc_count);
     let width = h * n_hc;
     let t = x.len() / width;
@@ -113,6 +122,9 @@ pub fn forward(store: &Store, c: &TextConfig, w: &Ple, emb: &[f32], x: &mut [f32
         if hist > 0 {
             conv.copy_within(width.., 0);
             conv[(hist - 1) * width..].copy_from_slice(&gn);
+        }
+        if let Some(rows) = rows.as_deref_mut() {
+            rows.push(conv.to_vec());
         }
     }
 }

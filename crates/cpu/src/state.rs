@@ -5,6 +5,10 @@
 //! layer the f32 recurrent state and the convolution history; per PLE layer the history of its
 //! dilated convolution; and the last `ngram_size - 1` tokens for the n-gram hash. The state is a
 //! plain value: cloning it snapshots a sequence (the prefix cache relies on that).
+//!
+//! With drafting on, the session also holds the MTP head's state ([`MtpState`]), and after a
+//! verifying forward what [`crate::CpuModel::commit`] needs to keep only some of its rows
+//! ([`Verify`]).
 
 use cherenkov_model::LayerType;
 use cherenkov_model::config::TextConfig;
@@ -20,6 +24,23 @@ pub struct AttentionState {
     /// QSA: per complete block, the mean-pooled key after `k_layernorm` and RoPE at the block's
     /// first position `[blocks, index_head_dim]`.
     pub index_blocks: Vec<f32>,
+}
+
+impl AttentionState {
+    pub fn empty() -> AttentionState {
+        AttentionState { k: Vec::new(), v: Vec::new(), index_keys: Vec::new(), index_blocks: Vec::new() }
+    }
+
+    /// Keeps the first `tokens` positions (and the index blocks complete within them).
+    pub fn truncate(&mut self, c: &TextConfig, tokens: usize) {
+        let kv = c.num_key_value_heads * c.head_dim;
+        self.k.truncate(tokens * kv);
+        self.v.truncate(tokens * kv);
+        if let Some(q) = &c.qsa {
+            self.index_keys.truncate(tokens * q.head_dim);
+            self.index_blocks.truncate(tokens / q.compress_ratio * q.head_dim);
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -50,6 +71,48 @@ pub struct CpuSession {
     /// The last `ngram_size - 1` tokens, most recent first, EOS-padded at the start.
     pub ngram_context: Vec<u32>,
     pub layers: Vec<LayerState>,
+    /// The MTP head's state (None: drafting is off for this session).
+    pub mtp: Option<MtpState>,
+    /// The last verifying forward's rows, until [`crate::CpuModel::commit`] keeps some of them.
+    pub verify: Option<Verify>,
+}
+
+/// The MTP head's side of a sequence. The head sees position p as the trunk's residual at p
+/// paired with the token at p + 1, so it runs one position behind the trunk: the trunk rows
+/// whose following token is not yet known wait in `pending`.
+#[derive(Clone, Debug)]
+pub struct MtpState {
+    /// Per MTP layer, the attention caches (positions `0..pos`).
+    pub layers: Vec<AttentionState>,
+    /// Positions the head has seen.
+    pub pos: usize,
+    /// Trunk residual rows `[n, hc * H]` for positions `pos..pos + n`, not yet seen by the head.
+    pub pending: Vec<f32>,
+    /// The token at each pending row's position (row j's following token is `pending_tokens[j + 1]`).
+    pub pending_tokens: Vec<u32>,
+}
+
+/// A layer's state after each row of a verifying forward.
+#[derive(Clone, Debug)]
+pub enum RowStates {
+    /// Gated DeltaNet: the whole state after each row.
+    Gdn(Vec<GdnState>),
+    /// Attention: the caches are cut back to the kept rows instead.
+    Attention,
+}
+
+/// What a verifying forward leaves for [`crate::CpuModel::commit`].
+#[derive(Clone, Debug)]
+pub struct Verify {
+    /// The session's position and n-gram context before the forward.
+    pub pos0: usize,
+    pub ngram_context0: Vec<u32>,
+    pub tokens: Vec<u32>,
+    /// Per trunk layer, its mixer's state after each row, and its PLE history after each row.
+    pub mixer_rows: Vec<RowStates>,
+    pub ple_rows: Vec<Option<Vec<Vec<f32>>>>,
+    /// The trunk's pre-mixer residual rows `[t, hc * H]` (the MTP head's input).
+    pub hidden: Vec<f32>,
 }
 
 impl CpuSession {
@@ -68,19 +131,14 @@ impl CpuSession {
                             c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
                         ],
                     }),
-                    LayerType::Attention => MixerState::Attention(AttentionState {
-                        k: Vec::new(),
-                        v: Vec::new(),
-                        index_keys: Vec::new(),
-                        index_blocks: Vec::new(),
-                    }),
+                    LayerType::Attention => MixerState::Attention(AttentionState::empty()),
                 },
                 ple_conv: c
                     .ple_index(i)
                     .map(|_| vec![0.0; (c.ple_conv_kernel_size - 1) * c.ngram_size * c.hc_hidden()]),
             })
             .collect();
-        CpuSession { pos: 0, ngram_context: vec![eos; c.ngram_size.saturating_sub(1)], layers }
+        CpuSession { pos: 0, ngram_context: vec![eos; c.ngram_size.saturating_sub(1)], layers, mtp: None, verify: None }
     }
 
     /// Bytes held by this session's state.
@@ -95,6 +153,11 @@ impl CpuSession {
                 };
                 (m + l.ple_conv.as_ref().map_or(0, |p| p.len())) * f
             })
-            .sum()
+            .sum::<usize>()
+            + self.mtp.as_ref().map_or(0, |m| {
+                let kv: usize =
+                    m.layers.iter().map(|a| a.k.len() + a.v.len() + a.index_keys.len() + a.index_blocks.len()).sum();
+                (kv + m.pending.len()) * f
+            })
     }
 }

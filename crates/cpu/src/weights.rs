@@ -125,6 +125,51 @@ pub struct Weights {
     pub layers: Vec<Layer>,
     pub hyper_connection_mixer: HyperConnection,
     pub lm_head: W,
+    /// The MTP head, when the store has one.
+    pub mtp: Option<MtpWeights>,
+}
+
+/// The MTP head (`mtp.*`): a stem joining the trunk's residual with the next token's embedding,
+/// decoder layers of QSA attention and MoE (no PLE), and a final mixer before the shared `lm_head`.
+pub struct MtpWeights {
+    pub fc_embedding: W,
+    pub fc_hidden: W,
+    pub pre_fc_norm_embedding: Vec<f32>,
+    /// Zero-centred norm over the whole `hc * H` row.
+    pub pre_fc_norm_hidden: Vec<f32>,
+    pub hyper_connection_mixer: HyperConnection,
+    pub layers: Vec<MtpLayer>,
+}
+
+pub struct MtpLayer {
+    pub attn_hc: HyperConnection,
+    pub attention: Attention,
+    pub mlp_hc: HyperConnection,
+    pub moe: Moe,
+}
+
+impl MtpWeights {
+    fn load(store: &Store, layers: usize) -> Result<MtpWeights> {
+        let trunk = store.config().num_hidden_layers;
+        Ok(MtpWeights {
+            fc_embedding: w(store, "mtp.fc_embedding.weight")?,
+            fc_hidden: w(store, "mtp.fc_hidden.weight")?,
+            pre_fc_norm_embedding: f32s(store, "mtp.pre_fc_norm_embedding.weight")?,
+            pre_fc_norm_hidden: f32s(store, "mtp.pre_fc_norm_hidden.weight")?,
+            hyper_connection_mixer: HyperConnection::load(store, "mtp.hyper_connection_mixer", false)?,
+            layers: (0..layers)
+                .map(|k| {
+                    let p = format!("mtp.layers.{k}");
+                    Ok(MtpLayer {
+                        attn_hc: HyperConnection::load(store, &format!("{p}.attn_hyper_connection"), true)?,
+                        attention: Attention::load(store, &format!("{p}.self_attn"))?,
+                        mlp_hc: HyperConnection::load(store, &format!("{p}.mlp_hyper_connection"), true)?,
+                        moe: Moe::load(store, &format!("{p}.mlp"), trunk + k)?,
+                    })
+                })
+                .collect::<Result<_>>()?,
+        })
+    }
 }
 
 impl Weights {
@@ -179,6 +224,10 @@ impl Weights {
             layers,
             hyper_connection_mixer: HyperConnection::load(store, "hyper_connection_mixer", false)?,
             lm_head: w(store, lm_head)?,
+            mtp: match store.manifest.mtp_layers {
+                0 => None,
+                n => Some(MtpWeights::load(store, n).context("loading the MTP head")?),
+            },
         })
     }
 }

@@ -1,34 +1,15 @@
 //! Golden tests: the CPU forward reproduces transformers' logits (computed on the dequantized 4-bit
 //! weights by tools/fixtures/make_golden.py) for the BF16 checkpoints packed by Cherenkov and for
 //! their MLX twins, over a full forward, incremental decode, and with an expert cache smaller than
-//! the model's experts.
+//! the model's experts; the MTP head reproduces its reference (tools/fixtures/make_mtp_golden.py:
+//! transformers' layers glued as vLLM's head), and a verifying forward committed to fewer rows
+//! leaves the session as plain forwards would.
 
-use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock};
+mod common;
 
-use cherenkov_cpu::{CpuModel, Logits};
-use cherenkov_engine::residency::{ExpertPool, HostSlots};
-use cherenkov_model::checkpoint::Checkpoint;
+use cherenkov_cpu::Logits;
 use cherenkov_model::safetensors::SafeTensors;
-use cherenkov_model::store::{Store, pack::pack};
-
-fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/golden")
-}
-
-/// Packs each fixture checkpoint once per test process.
-fn store(variant: &str) -> Arc<Store> {
-    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    static LOCK: Mutex<()> = Mutex::new(());
-    let dir = DIR.get_or_init(|| tempfile::tempdir().unwrap());
-    let _g = LOCK.lock().unwrap();
-    let out = dir.path().join(variant.replace('/', "-"));
-    if !out.join("manifest.json").exists() {
-        let ck = Checkpoint::open(&fixtures().join(variant)).unwrap();
-        pack(&ck, &out, &indicatif::ProgressBar::hidden()).unwrap();
-    }
-    Arc::new(Store::open(&out).unwrap())
-}
+use common::{fixtures, model, store};
 
 struct Golden {
     tokens: Vec<u32>,
@@ -45,12 +26,6 @@ fn golden(file: &str) -> Golden {
     let vocab = l.shape[1];
     let logits = st.read(l).unwrap().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
     Golden { tokens, logits, vocab }
-}
-
-fn model(store: Arc<Store>, slots: usize) -> CpuModel {
-    let memory = Arc::new(HostSlots::new(slots, store.record_bytes()).unwrap());
-    let pool = Arc::new(ExpertPool::new(store.clone(), memory, 2).unwrap());
-    CpuModel::new(store, pool).unwrap()
 }
 
 /// max |diff| <= 2e-3 max |ref| over the rows, and the top-1 token agrees wherever the reference's
@@ -167,4 +142,106 @@ fn rejects_tokens_outside_the_vocabulary() {
     let mut s = m.new_session();
     let e = m.forward(&mut s, &[1, 512], Logits::Last).unwrap_err().to_string();
     assert!(e.contains("512") && e.contains("vocab"), "{e}");
+}
+
+/// The MTP head's reference logits (tools/fixtures/make_mtp_golden.py): row p pairs the trunk's
+/// position p with token p + 1.
+fn mtp_golden() -> (Vec<u32>, Vec<f32>, usize) {
+    let st = SafeTensors::open(&fixtures().join("tiny-a/golden-mtp-mlx4.safetensors")).unwrap();
+    let t = st.get("tokens").unwrap();
+    let tokens =
+        st.read(t).unwrap().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32).collect();
+    let l = st.get("mtp_logits").unwrap();
+    let vocab = l.shape[1];
+    let logits = st.read(l).unwrap().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+    (tokens, logits, vocab)
+}
+
+#[test]
+fn tiny_a_mtp_head_matches_the_reference() {
+    let (tokens, want, vocab) = mtp_golden();
+    for variant in ["tiny-a/hf", "tiny-a/mlx4"] {
+        let m = model(store(variant), 64);
+        // One token at a time: each draft is the head's row for the token before it.
+        let mut s = m.new_session();
+        m.enable_drafting(&mut s).unwrap();
+        let mut got = Vec::new();
+        for p in 0..tokens.len() - 1 {
+            m.forward(&mut s, &tokens[p..p + 1], Logits::Last).unwrap();
+            got.extend(m.draft(&mut s, tokens[p + 1]).unwrap());
+        }
+        check_rows(&format!("{variant} MTP head, token by token"), &got, &want, vocab);
+        // A prefill first: the head catches up on the prompt's rows, then drafts from its last.
+        let split = tokens.len() / 3;
+        let mut s = m.new_session();
+        m.enable_drafting(&mut s).unwrap();
+        m.forward(&mut s, &tokens[..split], Logits::Last).unwrap();
+        let mut got = m.draft(&mut s, tokens[split]).unwrap();
+        for p in split..tokens.len() - 1 {
+            m.forward(&mut s, &tokens[p..p + 1], Logits::Last).unwrap();
+            got.extend(m.draft(&mut s, tokens[p + 1]).unwrap());
+        }
+        check_rows(&format!("{variant} MTP head after a prefill"), &got, &want[(split - 1) * vocab..], vocab);
+    }
+}
+
+/// A verifying forward of k tokens committed to `keep` leaves the session as a plain forward of
+/// the first `keep` tokens: the logits of the rows and of the next forward, and the next draft.
+#[test]
+fn verify_then_commit_equals_plain_forwards() {
+    let g = golden("tiny-a/golden-mlx4.safetensors");
+    let m = model(store("tiny-a/mlx4"), 64);
+    let prefix = &g.tokens[..20];
+    let rows = &g.tokens[20..23];
+    let after = g.tokens[23];
+    let max_diff = |a: &[f32], b: &[f32]| a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    for keep in 1..=rows.len() {
+        let mut plain = m.new_session();
+        m.enable_drafting(&mut plain).unwrap();
+        m.forward(&mut plain, prefix, Logits::Last).unwrap();
+        let plain_rows = m.forward(&mut plain, &rows[..keep], Logits::All).unwrap();
+        let plain_next = m.forward(&mut plain, &[after], Logits::Last).unwrap();
+        let plain_draft = m.draft(&mut plain, g.tokens[24]).unwrap();
+
+        let mut s = m.new_session();
+        m.enable_drafting(&mut s).unwrap();
+        m.forward(&mut s, prefix, Logits::Last).unwrap();
+        let verified = m.verify(&mut s, rows).unwrap();
+        assert!(max_diff(&verified[..keep * g.vocab], &plain_rows) <= 1e-5, "keep {keep}: verified rows");
+        let e = m.forward(&mut s, &[after], Logits::Last).unwrap_err().to_string();
+        assert!(e.contains("not committed"), "{e}");
+        m.commit(&mut s, keep).unwrap();
+        assert_eq!(s.pos, plain.pos - 1);
+        let next = m.forward(&mut s, &[after], Logits::Last).unwrap();
+        assert_eq!(s.pos, plain.pos);
+        assert_eq!(s.ngram_context, plain.ngram_context);
+        assert!(max_diff(&next, &plain_next) <= 1e-5, "keep {keep}: the forward after the commit");
+        let draft = m.draft(&mut s, g.tokens[24]).unwrap();
+        assert!(max_diff(&draft, &plain_draft) <= 1e-5, "keep {keep}: the draft after the commit");
+    }
+}
+
+#[test]
+fn drafting_errors_name_what_is_wrong() {
+    let m = model(store("tiny-a/mlx4"), 64);
+    let mut s = m.new_session();
+    let e = m.draft(&mut s, 5).unwrap_err().to_string();
+    assert!(e.contains("drafting is off"), "{e}");
+    m.enable_drafting(&mut s).unwrap();
+    let e = m.draft(&mut s, 5).unwrap_err().to_string();
+    assert!(e.contains("no forward"), "{e}");
+    let e = m.commit(&mut s, 1).unwrap_err().to_string();
+    assert!(e.contains("no verifying forward"), "{e}");
+    m.forward(&mut s, &[1, 2, 3], Logits::Last).unwrap();
+    m.verify(&mut s, &[4, 5]).unwrap();
+    let e = m.commit(&mut s, 3).unwrap_err().to_string();
+    assert!(e.contains("1 to 2 rows"), "{e}");
+    let e = m.draft(&mut s, 5).unwrap_err().to_string();
+    assert!(e.contains("not committed"), "{e}");
+    m.commit(&mut s, 2).unwrap();
+    let e = m.enable_drafting(&mut s).unwrap_err().to_string();
+    assert!(e.contains("start with the sequence") && e.contains("5 tokens"), "{e}");
+    let b = model(store("tiny-b/mlx4"), 64);
+    let e = b.enable_drafting(&mut b.new_session()).unwrap_err().to_string();
+    assert!(e.contains("no MTP head"), "{e}");
 }

@@ -920,7 +920,7 @@ pub fn block_checks(cuda: &CudaModel, cpu: &CpuModel, rng: &mut Rng, label: &str
                 let (mut worst_out, mut worst_state, mut worst_conv) = (0f64, 0f64, 0f64);
                 for _ in 0..3 {
                     let hv = rng.normal(h, 1.0);
-                    let want = gdn::forward(store, &c, cg, &mut st, &hv);
+                    let want = gdn::forward(store, &c, cg, &mut st, &hv, None);
                     g.htod(sc.inp.ptr, &hv)?;
                     cuda.gdn(&sc, gg, &conv, &rec, MatvecOutput::Store(sc.out.ptr))?;
                     worst_out = worst_out.max(rel_err(&read(sc.out.ptr, h)?, &want));
@@ -967,7 +967,7 @@ pub fn block_checks(cuda: &CudaModel, cpu: &CpuModel, rng: &mut Rng, label: &str
                 let mut x = rng.normal(width, 1.0);
                 g.htod(sc.x.ptr, &x)?;
                 let emb = ple::gather_embeddings(store, &c, &hash, table, &[tok], &ctx)?;
-                ple::forward(store, &c, cp, &emb, &mut x, &mut conv);
+                ple::forward(store, &c, cp, &emb, &mut x, &mut conv, None);
                 cuda.ple_gather(&sc, &hash, i, tok, &ctx)?;
                 cuda.load_step_inputs(&sc, tok, 0)?;
                 cuda.ple(&sc, gp, &dconv)?;

@@ -46,6 +46,32 @@ pub trait Backend: Send + Sync {
     /// [`Logits::Last`], `[tokens, vocab]` for [`Logits::All`].
     fn forward(&self, s: &mut Self::Session, tokens: &[u32], which: Logits) -> Result<Vec<f32>>;
 
+    /// Speculative decoding with the checkpoint's MTP head: turns drafting on for a fresh session
+    /// (the head keeps its own cache from the first position on). Fails where the backend or the
+    /// model cannot draft.
+    fn enable_drafting(&self, _s: &mut Self::Session) -> Result<()> {
+        anyhow::bail!("the {} backend cannot run the MTP head (speculative decoding) yet", self.name())
+    }
+
+    /// The MTP head's logits (`[vocab]`) for the token after `next`, where `next` is the token
+    /// that follows the session's history (sampled, not yet forwarded). Needs drafting on.
+    fn draft(&self, _s: &mut Self::Session, _next: u32) -> Result<Vec<f32>> {
+        anyhow::bail!("the {} backend cannot run the MTP head (speculative decoding) yet", self.name())
+    }
+
+    /// Runs `tokens` after the session's history like [`Backend::forward`] with every row's
+    /// logits (`[tokens, vocab]`), keeping what [`Backend::commit`] needs to keep only the first
+    /// rows. Until that commit, the session takes no other forward.
+    fn verify(&self, _s: &mut Self::Session, _tokens: &[u32]) -> Result<Vec<f32>> {
+        anyhow::bail!("the {} backend cannot verify drafted tokens yet", self.name())
+    }
+
+    /// Keeps the first `keep` tokens (at least one) of the last [`Backend::verify`]: the session
+    /// is then as if only they had been forwarded.
+    fn commit(&self, _s: &mut Self::Session, _keep: usize) -> Result<()> {
+        anyhow::bail!("the {} backend cannot verify drafted tokens yet", self.name())
+    }
+
     fn vocab_size(&self) -> usize;
 
     /// The expert pool's counters.

@@ -3,12 +3,18 @@
 //! Text is streamed as it becomes complete (the stream decoder holds back partial UTF-8), and held
 //! back further while it could still be the start of a stop string, so a stop string never reaches
 //! the caller. Timing separates prefill from decode, so tokens/s figures mean what they say.
+//!
+//! With drafting on ([`GenerateOptions::draft`]), each decode step lets the model's MTP head draft
+//! the token after the one just sampled, runs both through the trunk in one verifying forward, and
+//! keeps the draft where the trunk's own sample at that position equals it. The tokens sampled are
+//! the same as without drafting, in the same order from the same generator: a draft only decides
+//! how many of them one forward yields.
 
 use std::time::Instant;
 
 use anyhow::Result;
 
-use crate::backend::{Backend, Logits};
+use crate::backend::{Backend, Logits, top_of};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::tokenizer::Tokenizer;
 
@@ -20,7 +26,14 @@ pub struct GenerateOptions {
     pub stop_tokens: Vec<u32>,
     /// Strings that end generation; the text stops before the first occurrence.
     pub stop_strings: Vec<String>,
+    /// Tokens the MTP head drafts per decode step (0: off; at most [`MAX_DRAFT`]). Needs a fresh
+    /// session and a backend and model that can draft.
+    pub draft: usize,
 }
+
+/// The most drafted tokens per step this engine runs (the MTP head's first draft; chaining a
+/// second draft on the head's own residual is not built yet).
+pub const MAX_DRAFT: usize = 1;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum FinishReason {
@@ -48,19 +61,30 @@ pub struct Timing {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub prefill_secs: f64,
-    /// Time in decode forwards (one per token after the first).
+    /// Time in decode steps (a forward each; with drafting, the draft, the verifying forward
+    /// and its commit).
     pub decode_secs: f64,
     pub decode_steps: usize,
+    /// Tokens sampled from decode steps' logits (every generated token after the first).
+    pub decode_tokens: usize,
+    /// Drafted tokens verified, and how many of them the trunk accepted.
+    pub drafted: usize,
+    pub accepted: usize,
 }
 
 impl Timing {
     pub fn prefill_tps(&self) -> f64 {
         self.prompt_tokens as f64 / self.prefill_secs.max(1e-9)
     }
-    /// Decode tokens/s: decode forwards over the time they took (the first token comes from the
-    /// prefill's logits and is not counted).
+    /// Decode tokens/s: the tokens decode steps gave over the time they took (the first token
+    /// comes from the prefill's logits and is not counted).
     pub fn decode_tps(&self) -> f64 {
-        self.decode_steps as f64 / self.decode_secs.max(1e-9)
+        self.decode_tokens as f64 / self.decode_secs.max(1e-9)
+    }
+
+    /// The share of drafted tokens the trunk accepted (`None` without drafts).
+    pub fn acceptance(&self) -> Option<f64> {
+        (self.drafted > 0).then(|| self.accepted as f64 / self.drafted as f64)
     }
 }
 
@@ -127,6 +151,12 @@ pub fn generate<B: Backend>(
     on_text: &mut dyn FnMut(&str) -> bool,
 ) -> Result<Generation> {
     opts.sampling.validate()?;
+    if opts.draft > MAX_DRAFT {
+        anyhow::bail!("at most {MAX_DRAFT} drafted token(s) per step are supported, not {}", opts.draft);
+    }
+    if opts.draft > 0 {
+        backend.enable_drafting(session)?;
+    }
     let mut sampler = Sampler::new(opts.sampling.clone());
     let mut next = NextToken::new(tokenizer, &sampler);
     let mut timing = Timing { prompt_tokens: prompt.len(), ..Timing::default() };
@@ -146,28 +176,70 @@ pub fn generate<B: Backend>(
         on_text(out)
     };
     let mut stop_string_hit = false;
+    // With drafting: the last verifying forward's draft and its second row (the logits after the
+    // draft), until the forward is committed.
+    let mut verifying: Option<(u32, NextToken)> = None;
     let finish = loop {
         if tokens.len() == opts.max_tokens {
             break FinishReason::Length;
         }
-        if !tokens.is_empty() {
+        if opts.draft == 0 && !tokens.is_empty() {
             let ts = Instant::now();
             next.forward(backend, session, &tokens[tokens.len() - 1..])?;
             timing.decode_secs += ts.elapsed().as_secs_f64();
             timing.decode_steps += 1;
         }
         let tok = next.sample(&mut sampler, &tokens)?;
+        if !tokens.is_empty() {
+            timing.decode_tokens += 1;
+        }
+        let mut finish = None;
         if opts.stop_tokens.contains(&tok) {
-            break FinishReason::Stop;
+            finish = Some(FinishReason::Stop);
+        } else {
+            tokens.push(tok);
+            let (out, stopped) = filter.push(&decoder.push(tok)?);
+            if !emit(&out, &mut text) {
+                finish = Some(FinishReason::Cancelled);
+            } else if stopped {
+                stop_string_hit = true;
+                finish = Some(FinishReason::Stop);
+            }
         }
-        tokens.push(tok);
-        let (out, stopped) = filter.push(&decoder.push(tok)?);
-        if !emit(&out, &mut text) {
-            break FinishReason::Cancelled;
+        let ends = finish.is_some() || tokens.len() == opts.max_tokens;
+        // Commit the verifying forward: the sampled token's row, and the draft's where the draft is
+        // the sampled token (unless generation ends here: the last token stays unforwarded, as
+        // without drafting).
+        let mut have_next = false;
+        if let Some((d, row)) = verifying.take() {
+            timing.drafted += 1;
+            let keep = if d == tok {
+                timing.accepted += 1;
+                if ends { 1 } else { 2 }
+            } else {
+                1
+            };
+            let ts = Instant::now();
+            backend.commit(session, keep)?;
+            timing.decode_secs += ts.elapsed().as_secs_f64();
+            if keep == 2 {
+                next = row;
+                have_next = true;
+            }
         }
-        if stopped {
-            stop_string_hit = true;
-            break FinishReason::Stop;
+        if let Some(f) = finish {
+            break f;
+        }
+        if opts.draft > 0 && !ends && !have_next {
+            let ts = Instant::now();
+            let draft = backend.draft(session, tok)?;
+            let d = top_of(&draft[..next.vocab.min(draft.len())], 1)[0].0;
+            let rows = backend.verify(session, &[tok, d])?;
+            let (first, second) = rows.split_at(rows.len() / 2);
+            next = next.for_row(first);
+            verifying = Some((d, next.for_row(second)));
+            timing.decode_secs += ts.elapsed().as_secs_f64();
+            timing.decode_steps += 1;
         }
     };
     // Flush what the decoder and the stop filter still hold (unless a stop string cut the text).
@@ -218,6 +290,22 @@ impl NextToken {
             }
         }
         Ok(())
+    }
+
+    /// The same form for one row of logits the caller already has (a verifying forward's): the
+    /// candidates chosen as [`Backend::forward_top`]'s default chooses them, or every logit.
+    fn for_row(&self, row: &[f32]) -> NextToken {
+        let mut out = NextToken { vocab: self.vocab, ask: self.ask, logits: Vec::new(), candidates: Vec::new() };
+        match self.ask {
+            Some(k) => out.candidates = top_of(&row[..self.vocab.min(row.len())], k),
+            None => {
+                out.logits = row.to_vec();
+                if out.logits.len() > self.vocab {
+                    out.logits[self.vocab..].fill(f32::NEG_INFINITY);
+                }
+            }
+        }
+        out
     }
 
     /// Penalties count `generated` tokens only (OpenAI semantics).

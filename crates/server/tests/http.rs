@@ -235,6 +235,7 @@ fn greedy_output_equals_the_engine_and_stops_cut_it() {
         sampling: SamplingParams::greedy(),
         stop_tokens: spec.eos.clone(),
         stop_strings: vec![],
+        draft: 0,
     };
     let mut session = model.new_session();
     let want = generate(&*model, &mut session, &prompt, tok, &opts, &mut |_| true).unwrap();

@@ -49,6 +49,7 @@ fn text_completions() {
         sampling: SamplingParams::greedy(),
         stop_tokens: spec.eos.clone(),
         stop_strings: vec![],
+        draft: 0,
     };
     let greedy = generate(&*model, &mut model.new_session(), &ids, &spec.tokenizer, &opts, &mut |_| true).unwrap();
     let expect = json!({"prompt_text": text, "prompt_ids": ids, "greedy_text": greedy.text});

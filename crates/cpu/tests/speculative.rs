@@ -1,0 +1,121 @@
+//! Speculative decoding through the engine's decode loop on the CPU backend: the tokens are those
+//! of decoding without drafts, for greedy and sampled decoding, whether the drafts are rejected
+//! (the tiny fixture's random MTP head) or accepted (an oracle that drafts the trunk's own choice).
+
+mod common;
+
+use anyhow::Result;
+use cherenkov_cpu::{CpuModel, CpuSession, Logits};
+use cherenkov_engine::backend::Backend;
+use cherenkov_engine::generate::{GenerateOptions, Generation, generate};
+use cherenkov_engine::sampling::SamplingParams;
+use cherenkov_engine::stats::PoolStats;
+use cherenkov_engine::tokenizer::Tokenizer;
+use common::{model, store};
+
+/// Drafts the trunk's own most likely token (from a copy of the session), so that greedy drafts
+/// are always accepted; everything else is the CPU model's.
+struct Oracle<'a>(&'a CpuModel);
+
+impl Backend for Oracle<'_> {
+    type Session = CpuSession;
+    fn name(&self) -> &'static str {
+        "oracle"
+    }
+    fn new_session(&self) -> Result<CpuSession> {
+        Ok(self.0.new_session())
+    }
+    fn snapshot_session(&self, s: &CpuSession) -> Result<CpuSession> {
+        Ok(s.clone())
+    }
+    fn session_len(&self, s: &CpuSession) -> usize {
+        s.pos
+    }
+    fn forward(&self, s: &mut CpuSession, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {
+        self.0.forward(s, tokens, which)
+    }
+    fn enable_drafting(&self, _s: &mut CpuSession) -> Result<()> {
+        Ok(())
+    }
+    fn draft(&self, s: &mut CpuSession, next: u32) -> Result<Vec<f32>> {
+        self.0.forward(&mut s.clone(), &[next], Logits::Last)
+    }
+    fn verify(&self, s: &mut CpuSession, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.0.verify(s, tokens)
+    }
+    fn commit(&self, s: &mut CpuSession, keep: usize) -> Result<()> {
+        self.0.commit(s, keep)
+    }
+    fn vocab_size(&self) -> usize {
+        self.0.config().vocab_size
+    }
+    fn pool_stats(&self) -> PoolStats {
+        self.0.pool.stats()
+    }
+}
+
+fn run<B: Backend>(b: &B, prompt: &[u32], tok: &Tokenizer, sampling: &SamplingParams, draft: usize) -> Generation {
+    let opts = GenerateOptions {
+        max_tokens: 20,
+        sampling: sampling.clone(),
+        stop_tokens: vec![],
+        stop_strings: vec![],
+        draft,
+    };
+    let mut s = b.new_session().unwrap();
+    generate(b, &mut s, prompt, tok, &opts, &mut |_| true).unwrap()
+}
+
+fn samplings() -> Vec<SamplingParams> {
+    let sampled =
+        |temperature, top_k, seed| SamplingParams { temperature, top_k, seed: Some(seed), ..SamplingParams::default() };
+    vec![SamplingParams::greedy(), sampled(1.0, 0, 7), sampled(0.7, 5, 11)]
+}
+
+#[test]
+fn drafted_decoding_gives_the_tokens_of_plain_decoding() {
+    let st = store("tiny-a/mlx4");
+    let tok = Tokenizer::from_dir(&st.dir).unwrap();
+    let m = model(st, 64);
+    let prompt = tok.encode("The quick brown fox jumps", false).unwrap();
+    for sampling in samplings() {
+        let plain = run(&m, &prompt, &tok, &sampling, 0);
+        assert_eq!(plain.tokens.len(), 20);
+        assert_eq!(plain.timing.drafted, 0);
+        for (name, g) in [
+            ("MTP head", run(&m, &prompt, &tok, &sampling, 1)),
+            ("oracle", run(&Oracle(&m), &prompt, &tok, &sampling, 1)),
+        ] {
+            assert_eq!(g.tokens, plain.tokens, "{name}, {sampling:?}");
+            assert_eq!(g.text, plain.text, "{name}, {sampling:?}");
+            let t = &g.timing;
+            assert_eq!(t.decode_tokens, 19, "{name}");
+            // A step verifies one draft; an accepted draft gives the next token without a step
+            // (except the last token's, which generation does not forward).
+            assert_eq!(t.drafted, t.decode_steps, "{name}");
+            let given = t.decode_steps + t.accepted;
+            assert!(given == t.decode_tokens || given == t.decode_tokens + 1, "{name}: {t:?}");
+        }
+        let oracle = run(&Oracle(&m), &prompt, &tok, &sampling, 1);
+        if sampling.temperature == 0.0 {
+            assert_eq!(oracle.timing.accepted, oracle.timing.drafted, "greedy oracle drafts are all accepted");
+            assert!(oracle.timing.decode_steps <= 10, "{:?}", oracle.timing);
+        }
+    }
+}
+
+#[test]
+fn drafting_needs_a_model_with_an_mtp_head() {
+    let st = store("tiny-b/mlx4");
+    let tok = Tokenizer::from_dir(&st.dir).unwrap();
+    let m = model(st, 64);
+    let opts = GenerateOptions {
+        max_tokens: 4,
+        sampling: SamplingParams::greedy(),
+        stop_tokens: vec![],
+        stop_strings: vec![],
+        draft: 1,
+    };
+    let e = generate(&m, &mut m.new_session(), &[1, 2], &tok, &opts, &mut |_| true).unwrap_err().to_string();
+    assert!(e.contains("no MTP head"), "{e}");
+}
