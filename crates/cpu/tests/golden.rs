@@ -18,11 +18,16 @@ struct Golden {
 }
 
 fn golden(file: &str) -> Golden {
+    golden_named(file, "logits")
+}
+
+/// `tokens` and the logits tensor `name` of a golden file.
+fn golden_named(file: &str, name: &str) -> Golden {
     let st = SafeTensors::open(&fixtures().join(file)).unwrap();
     let t = st.get("tokens").unwrap();
     let tokens =
         st.read(t).unwrap().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32).collect();
-    let l = st.get("logits").unwrap();
+    let l = st.get(name).unwrap();
     let vocab = l.shape[1];
     let logits = st.read(l).unwrap().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
     Golden { tokens, logits, vocab }
@@ -147,14 +152,8 @@ fn rejects_tokens_outside_the_vocabulary() {
 /// The MTP head's reference logits (tools/fixtures/make_mtp_golden.py): row p pairs the trunk's
 /// position p with token p + 1.
 fn mtp_golden() -> (Vec<u32>, Vec<f32>, usize) {
-    let st = SafeTensors::open(&fixtures().join("tiny-a/golden-mtp-mlx4.safetensors")).unwrap();
-    let t = st.get("tokens").unwrap();
-    let tokens =
-        st.read(t).unwrap().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32).collect();
-    let l = st.get("mtp_logits").unwrap();
-    let vocab = l.shape[1];
-    let logits = st.read(l).unwrap().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
-    (tokens, logits, vocab)
+    let g = golden_named("tiny-a/golden-mtp-mlx4.safetensors", "mtp_logits");
+    (g.tokens, g.logits, g.vocab)
 }
 
 #[test]

@@ -128,6 +128,16 @@ fn define_options(defs: &str) -> Vec<String> {
 /// Compiles the kernels with names `defines` defined, besides those of `CHERENKOV_KERNEL_DEFINES`
 /// (`TIMELINE` for the kernel timeline: `Gpu::new`).
 pub fn compile_with(arch: &'static str, defines: &[&str]) -> Result<String> {
+    compile_program(arch, defines, "")
+}
+
+/// Compiles the kernels followed by `extra` (a probe's kernels, which may call the engine's
+/// device functions), as [`compile`] does: the same options and `CHERENKOV_KERNEL_DEFINES`.
+pub fn compile_with_extra(arch: &'static str, extra: &str) -> Result<String> {
+    compile_program(arch, &[], extra)
+}
+
+fn compile_program(arch: &'static str, defines: &[&str], extra: &str) -> Result<String> {
     if !nvrtc_available() {
         bail!(
             "NVRTC (libnvrtc.so.13) was not found: the CUDA kernels are compiled at run time. Install the CUDA 13 \
@@ -150,7 +160,8 @@ pub fn compile_with(arch: &'static str, defines: &[&str]) -> Result<String> {
         name: Some("cherenkov.cu".into()),
         ..Default::default()
     };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(source(), opts).map_err(|e| match e {
+    let program = if extra.is_empty() { source() } else { format!("{}#line 1 \"extra\"\n{extra}\n", source()) };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(program, opts).map_err(|e| match e {
         cudarc::nvrtc::CompileError::CompileError { log, .. } => {
             anyhow::anyhow!("the CUDA kernels do not compile:\n{}", log.to_string_lossy())
         }

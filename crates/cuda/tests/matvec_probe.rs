@@ -18,10 +18,13 @@
 //! see what staging x and the dequantising arithmetic cost: session 11 found the arithmetic the
 //! largest part. Results: `benchmark/results/matvec-probe-2026-11-30.txt`.
 
+mod probe;
+
 use std::ffi::{CString, c_void};
 
 use cherenkov_cuda::gpu::{Arg, DevBuf, Gpu};
 use cudarc::driver::result as cu;
+use probe::{GS, LAUNCHES, Mat, REPLAYS, ROTATE_BYTES, time};
 
 const SOURCE: &str = r#"
 extern "C" __global__ void read_only(const uint4* __restrict__ p, long long n16, unsigned* out) {
@@ -44,12 +47,6 @@ extern "C" __global__ void read_only(const uint4* __restrict__ p, long long n16,
 
 /// linear.cu's `MV_TILED`.
 const MV_TILED: i32 = 0x10000;
-const GS: usize = 64;
-/// Launches per graph and replays timed.
-const LAUNCHES: usize = 48;
-const REPLAYS: usize = 10;
-/// Bytes the weight copies of one matrix take together at least (the H200's L2 is 60 MiB).
-const ROTATE_BYTES: usize = 240 << 20;
 
 fn ptx(arch: &'static str) -> String {
     let opts = cudarc::nvrtc::CompileOptions { arch: Some(arch), ..Default::default() };
@@ -64,78 +61,6 @@ fn matvec_probe_kernel_compiles() {
         return;
     }
     assert!(ptx("sm_90").contains(".entry read_only("));
-}
-
-/// A 4-bit matrix (words, bf16 scales and biases) in `copies` copies, one allocation each.
-struct Mat {
-    rows: usize,
-    cols: usize,
-    copies: Vec<(DevBuf, DevBuf, DevBuf)>,
-}
-
-impl Mat {
-    fn new(gpu: &Gpu, rows: usize, cols: usize) -> Mat {
-        let words = rows * cols / 8;
-        let groups = rows * cols / GS;
-        let bytes = words * 4 + groups * 4;
-        let n = ROTATE_BYTES.div_ceil(bytes).max(2);
-        let mut seed = 0x2545_f491_4f6c_dd1du64 ^ (rows * cols) as u64;
-        let mut next = || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
-        let copies = (0..n)
-            .map(|_| {
-                let w: Vec<u32> = (0..words).map(|_| next() as u32).collect();
-                // Scales about 1e-2, biases about -1e-1 (bf16), so sums stay finite.
-                let s: Vec<u16> = (0..groups).map(|_| 0x3c20 + (next() & 0xf) as u16).collect();
-                let b: Vec<u16> = (0..groups).map(|_| 0xbdc0 + (next() & 0xf) as u16).collect();
-                let (dw, ds, db) = (
-                    gpu.alloc(w.len() * 4, "probe words").unwrap(),
-                    gpu.alloc(s.len() * 2, "probe scales").unwrap(),
-                    gpu.alloc(b.len() * 2, "probe biases").unwrap(),
-                );
-                gpu.htod(dw.ptr, &w).unwrap();
-                gpu.htod(ds.ptr, &s).unwrap();
-                gpu.htod(db.ptr, &b).unwrap();
-                (dw, ds, db)
-            })
-            .collect();
-        Mat { rows, cols, copies }
-    }
-
-    fn bytes(&self) -> usize {
-        self.rows * self.cols / 2 + self.rows * self.cols / GS * 4
-    }
-
-    fn copy(&self, i: usize) -> (u64, u64, u64) {
-        let (w, s, b) = &self.copies[i % self.copies.len()];
-        (w.ptr, s.ptr, b.ptr)
-    }
-}
-
-/// Microseconds per launch of `queue(i)` (launch i of a graph of `LAUNCHES`), replayed from a graph.
-fn time(gpu: &Gpu, mut queue: impl FnMut(usize)) -> f64 {
-    let graph = gpu
-        .capture(|| {
-            for i in 0..LAUNCHES {
-                queue(i);
-            }
-            Ok(())
-        })
-        .unwrap();
-    gpu.replay(&graph).unwrap();
-    gpu.sync().unwrap();
-    let (start, end) = (gpu.event(true).unwrap(), gpu.event(true).unwrap());
-    gpu.record(&start).unwrap();
-    for _ in 0..REPLAYS {
-        gpu.replay(&graph).unwrap();
-    }
-    gpu.record(&end).unwrap();
-    end.wait().unwrap();
-    end.since(&start).unwrap() as f64 * 1e3 / (LAUNCHES * REPLAYS) as f64
 }
 
 /// Shared memory of the tiled kernels for `cols` inputs at 4 bits (weights.rs's `tiled_shmem`).

@@ -1,13 +1,13 @@
 //! What the GPU probes beside this folder share (`cluster_probe`, `stage_probe`,
-//! `dataflow_probe`): compiling a probe's CUDA source with NVRTC, loading its kernels, timing a
-//! captured graph.
+//! `dataflow_probe`, `matvec_probe`, `rows_probe`): compiling a probe's CUDA source with NVRTC,
+//! loading its kernels, timing a captured graph, 4-bit matrices in copies that pass the L2.
 
 // Each probe is its own test crate and uses some of these.
 #![allow(dead_code)]
 
 use std::ffi::{CString, c_void};
 
-use cherenkov_cuda::gpu::{Gpu, Graph};
+use cherenkov_cuda::gpu::{DevBuf, Gpu, Graph};
 use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 
@@ -112,4 +112,84 @@ pub fn median_us(gpu: &Gpu, graph: &Graph, per: usize) -> f64 {
         .collect();
     t.sort_by(f32::total_cmp);
     t[3] as f64 * 1e3 / per as f64
+}
+
+/// The group size of the probes' 4-bit matrices.
+pub const GS: usize = 64;
+/// Launches per graph and replays timed ([`time`]).
+pub const LAUNCHES: usize = 48;
+pub const REPLAYS: usize = 10;
+/// Bytes the weight copies of one matrix take together at least (the H200's L2 is 60 MiB).
+pub const ROTATE_BYTES: usize = 240 << 20;
+
+/// A 4-bit matrix (words, bf16 scales and biases) in `copies` copies, one allocation each.
+pub struct Mat {
+    pub rows: usize,
+    pub cols: usize,
+    pub copies: Vec<(DevBuf, DevBuf, DevBuf)>,
+}
+
+impl Mat {
+    pub fn new(gpu: &Gpu, rows: usize, cols: usize) -> Mat {
+        let words = rows * cols / 8;
+        let groups = rows * cols / GS;
+        let bytes = words * 4 + groups * 4;
+        let n = ROTATE_BYTES.div_ceil(bytes).max(2);
+        let mut seed = 0x2545_f491_4f6c_dd1du64 ^ (rows * cols) as u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let copies = (0..n)
+            .map(|_| {
+                let w: Vec<u32> = (0..words).map(|_| next() as u32).collect();
+                // Scales about 1e-2, biases about -1e-1 (bf16), so sums stay finite.
+                let s: Vec<u16> = (0..groups).map(|_| 0x3c20 + (next() & 0xf) as u16).collect();
+                let b: Vec<u16> = (0..groups).map(|_| 0xbdc0 + (next() & 0xf) as u16).collect();
+                let (dw, ds, db) = (
+                    gpu.alloc(w.len() * 4, "probe words").unwrap(),
+                    gpu.alloc(s.len() * 2, "probe scales").unwrap(),
+                    gpu.alloc(b.len() * 2, "probe biases").unwrap(),
+                );
+                gpu.htod(dw.ptr, &w).unwrap();
+                gpu.htod(ds.ptr, &s).unwrap();
+                gpu.htod(db.ptr, &b).unwrap();
+                (dw, ds, db)
+            })
+            .collect();
+        Mat { rows, cols, copies }
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.rows * self.cols / 2 + self.rows * self.cols / GS * 4
+    }
+
+    pub fn copy(&self, i: usize) -> (u64, u64, u64) {
+        let (w, s, b) = &self.copies[i % self.copies.len()];
+        (w.ptr, s.ptr, b.ptr)
+    }
+}
+
+/// Microseconds per launch of `queue(i)` (launch i of a graph of `LAUNCHES`), replayed from a graph.
+pub fn time(gpu: &Gpu, mut queue: impl FnMut(usize)) -> f64 {
+    let graph = gpu
+        .capture(|| {
+            for i in 0..LAUNCHES {
+                queue(i);
+            }
+            Ok(())
+        })
+        .unwrap();
+    gpu.replay(&graph).unwrap();
+    gpu.sync().unwrap();
+    let (start, end) = (gpu.event(true).unwrap(), gpu.event(true).unwrap());
+    gpu.record(&start).unwrap();
+    for _ in 0..REPLAYS {
+        gpu.replay(&graph).unwrap();
+    }
+    gpu.record(&end).unwrap();
+    end.wait().unwrap();
+    end.since(&start).unwrap() as f64 * 1e3 / (LAUNCHES * REPLAYS) as f64
 }
