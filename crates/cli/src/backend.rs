@@ -92,6 +92,14 @@ impl Backend for AnyModel {
         }
     }
 
+    fn drafting(&self, s: &AnySession) -> bool {
+        match (self, s) {
+            (AnyModel::Cpu(m), AnySession::Cpu(s)) => m.drafting(s),
+            (AnyModel::Cuda(m), AnySession::Cuda(s)) => m.drafting(s),
+            _ => false,
+        }
+    }
+
     fn draft(&self, s: &mut AnySession, next: u32) -> Result<Vec<f32>> {
         match (self, s) {
             (AnyModel::Cpu(m), AnySession::Cpu(s)) => m.draft(s, next),

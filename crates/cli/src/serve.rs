@@ -48,6 +48,11 @@ pub struct ServeArgs {
     /// Memory for prefix-cache snapshots (e.g. 2G); 0 turns the cache off [default: 2G].
     #[arg(long, value_name = "SIZE")]
     pub prefix_cache: Option<String>,
+    /// Speculative decoding: tokens the checkpoint's MTP head drafts per decode step (0: off; 1
+    /// is the most supported), as `run --draft`; the same text, and /v1/stats reports the drafts
+    /// accepted. CPU backend only, for now [default: 0].
+    #[arg(long, value_name = "N")]
+    pub draft: Option<usize>,
     #[command(flatten)]
     pub load: LoadArgs,
 }
@@ -66,6 +71,7 @@ impl ServeArgs {
             request_timeout_secs: self.request_timeout,
             prefix_cache_bytes,
             expert_cache: self.load.expert_cache.clone(),
+            draft: self.draft,
         })
     }
 }
@@ -79,6 +85,10 @@ pub fn run(args: &ServeArgs, out: &mut dyn Write) -> Result<()> {
     let load = LoadArgs { expert_cache: config.memory.expert_cache.clone(), ..args.load.clone() };
     let loaded = open_model(&resolved.store, &load)?;
     let model: AnyModel = loaded.model;
+    if config.scheduler.draft > 0 {
+        // Refused at start, not at the first request: the backend or the model cannot draft.
+        model.enable_drafting(&mut model.new_session()?).context("scheduler.draft (--draft) is set")?;
+    }
     let dir = &loaded.store.dir;
     let c = loaded.store.config();
     let spec = ModelSpec::from_store_dir(

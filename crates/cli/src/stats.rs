@@ -456,9 +456,7 @@ pub fn summary_text(doc: &Value, url: &str) -> String {
     lines.push((
         "mtp",
         match doc.get("mtp").filter(|v| !v.is_null()) {
-            None => {
-                "absent (the server does not draft with the MTP head yet, so there is no acceptance to report)".into()
-            }
+            None => "absent (the server does not draft: scheduler.draft is 0)".into(),
             Some(m) => format!(
                 "{} accepted of {} drafted ({})",
                 n(m, "accepted"),

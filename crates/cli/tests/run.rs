@@ -79,6 +79,11 @@ fn drafted_run_writes_the_same_text_and_reports_the_drafts() {
     let b = fixture("tiny-b/mlx4");
     let e = home.fails(&["run", b.to_str().unwrap(), "hi", "--draft", "1", "--backend", "cpu"]);
     assert!(e.contains("no MTP head"), "{e}");
+    // The server refuses to start drafting with it, before it listens.
+    let e = home.fails(&["serve", "--model", b.to_str().unwrap(), "--draft", "1", "--backend", "cpu", "--port", "0"]);
+    assert!(e.contains("no MTP head") && e.contains("--draft"), "{e}");
+    let e = home.fails(&["serve", "--model", m, "--draft", "2", "--backend", "cpu", "--port", "0"]);
+    assert!(e.contains("scheduler.draft must be at most 1"), "{e}");
 }
 
 #[test]

@@ -364,6 +364,10 @@ impl Backend for CpuModel {
         CpuModel::enable_drafting(self, s)
     }
 
+    fn drafting(&self, s: &CpuSession) -> bool {
+        s.mtp.is_some()
+    }
+
     fn draft(&self, s: &mut CpuSession, next: u32) -> Result<Vec<f32>> {
         CpuModel::draft(self, s, next)
     }

@@ -53,6 +53,11 @@ pub trait Backend: Send + Sync {
         anyhow::bail!("the {} backend cannot run the MTP head (speculative decoding) yet", self.name())
     }
 
+    /// Whether drafting is on for `s` (a snapshot of a drafting session drafts too).
+    fn drafting(&self, _s: &Self::Session) -> bool {
+        false
+    }
+
     /// The MTP head's logits (`[vocab]`) for the token after `next`, where `next` is the token
     /// that follows the session's history (sampled, not yet forwarded). Needs drafting on.
     fn draft(&self, _s: &mut Self::Session, _next: u32) -> Result<Vec<f32>> {

@@ -88,11 +88,13 @@ pub struct SchedulerSection {
     pub max_active: usize,
     pub queue_size: usize,
     pub prefill_chunk: usize,
+    /// Tokens the MTP head drafts per decode step (0: off; the backend and model must draft).
+    pub draft: usize,
 }
 
 impl Default for SchedulerSection {
     fn default() -> Self {
-        Self { max_active: 2, queue_size: 16, prefill_chunk: 256 }
+        Self { max_active: 2, queue_size: 16, prefill_chunk: 256, draft: 0 }
     }
 }
 
@@ -179,6 +181,7 @@ pub struct Overrides {
     pub request_timeout_secs: Option<u64>,
     pub prefix_cache_bytes: Option<u64>,
     pub expert_cache: Option<String>,
+    pub draft: Option<usize>,
 }
 
 impl Config {
@@ -223,6 +226,9 @@ impl Config {
         if let Some(s) = o.request_timeout_secs {
             self.server.request_timeout_secs = s;
         }
+        if let Some(d) = o.draft {
+            self.scheduler.draft = d;
+        }
         if let Some(b) = o.prefix_cache_bytes {
             self.cache.max_bytes = Size(b);
             self.cache.enabled = b > 0;
@@ -247,6 +253,7 @@ impl Config {
         }
         let at_most = [
             ("scheduler.max_active", self.scheduler.max_active as u64, 64),
+            ("scheduler.draft", self.scheduler.draft as u64, cherenkov_engine::generate::MAX_DRAFT as u64),
             ("server.request_timeout_secs", self.server.request_timeout_secs, 366 * 24 * 3600),
             ("limits.max_top_logprobs", self.limits.max_top_logprobs as u64, 1000),
         ];

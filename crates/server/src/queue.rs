@@ -58,6 +58,9 @@ pub struct Counters {
     pub prompt_tokens: AtomicU64,
     pub cached_tokens: AtomicU64,
     pub completion_tokens: AtomicU64,
+    /// Drafted tokens verified, and those accepted.
+    pub drafted: AtomicU64,
+    pub accepted: AtomicU64,
 }
 
 /// What `/status` shows.
@@ -73,6 +76,10 @@ pub struct Status {
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
     pub completion_tokens: u64,
+    /// `scheduler.draft` now (0: the server does not draft).
+    pub draft: usize,
+    pub drafted: u64,
+    pub accepted: u64,
     pub config_reloads: u64,
     pub config_reload_errors: u64,
     pub prefix_cache: CacheStats,
@@ -196,6 +203,9 @@ impl Shared {
             prompt_tokens: get(&c.prompt_tokens),
             cached_tokens: get(&c.cached_tokens),
             completion_tokens: get(&c.completion_tokens),
+            draft: self.live.get().scheduler.draft,
+            drafted: get(&c.drafted),
+            accepted: get(&c.accepted),
             config_reloads: self.live.generation(),
             config_reload_errors: self.live.failures.load(Ordering::SeqCst),
             prefix_cache: self.cache_stats.lock().unwrap_or_else(|e| e.into_inner()).clone(),

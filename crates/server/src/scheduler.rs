@@ -92,6 +92,11 @@ struct Active<S> {
     decoding: Decoding,
     /// Generated tokens run through the model (all but the last sampled one).
     forwarded: Vec<u32>,
+    /// Whether the session drafts with the MTP head.
+    drafts: bool,
+    /// The last verifying forward's draft and the logits after it, until the forward is
+    /// committed (the next sampled token says how many of its rows stay).
+    verifying: Option<(u32, NextLogits)>,
     prompt_reported: bool,
     started: Instant,
     /// The last event (Done or Error), sent once the counters and `/status` show the request
@@ -244,10 +249,19 @@ impl<B: Backend> Scheduler<B> {
                 snapshot_at.push(branch);
             }
         }
+        let draft = self.config.scheduler.draft;
         let (session, pos, logits) = match restored {
             Some(r) => r,
             None => match self.backend.new_session() {
-                Ok(s) => (s, 0, None),
+                Ok(mut s) => {
+                    // The head's cache must cover the prompt, so drafting starts with the session.
+                    if draft > 0
+                        && let Err(e) = self.backend.enable_drafting(&mut s)
+                    {
+                        eprintln!("{}: drafting off for this request: {e:#}", job.id);
+                    }
+                    (s, 0, None)
+                }
                 Err(e) => {
                     let message = format!("cannot start a session for this request: {e:#}");
                     eprintln!("{}: failed: {message}", job.id);
@@ -267,11 +281,14 @@ impl<B: Backend> Scheduler<B> {
             prompt_logprobs: None,
             decoding,
             forwarded: Vec::new(),
+            drafts: false,
+            verifying: None,
             prompt_reported: false,
             started: Instant::now(),
             last: None,
             job,
         };
+        a.drafts = draft > 0 && self.backend.drafting(&a.session);
         a.job.snapshot_at.extend(snapshot_at);
         if a.job.params.prompt_logprobs.is_some() {
             a.prompt_logprobs = Some(vec![TokenLogprob { id: a.job.prompt[0], logprob: None, top: Vec::new() }]);
@@ -407,7 +424,40 @@ impl<B: Backend> Scheduler<B> {
         if !step.text.is_empty() || !step.tokens.is_empty() {
             let _ = a.job.events.send(Event::Text { text: step.text, tokens: step.tokens });
         }
+        // A verifying forward keeps the sampled token's row, and the draft's where the draft is the
+        // sampled token and generation goes on (the last token stays unforwarded, as without drafts).
+        if let Some((d, after)) = a.verifying.take() {
+            let accepted = step.next == Next::Forward(d);
+            let c = &self.shared.counters;
+            c.drafted.fetch_add(1, Ordering::Relaxed);
+            c.accepted.fetch_add(accepted as u64, Ordering::Relaxed);
+            self.backend.commit(&mut a.session, if accepted { 2 } else { 1 })?;
+            if accepted {
+                self.shared.steps.credit_decode(1);
+                a.logits = Some(after);
+                a.forwarded.push(d);
+                return Ok(State::Running);
+            }
+        }
         match step.next {
+            Next::Forward(tok) if a.drafts => {
+                let k = a.decoding.candidates_needed();
+                let vocab = self.tokenizer.vocab_size();
+                let (d, rows) = self.recorded(StepKind::Decode, 1, || {
+                    let draft = self.backend.draft(&mut a.session, tok)?;
+                    let d = cherenkov_engine::backend::top_of(&draft[..vocab.min(draft.len())], 1)[0].0;
+                    Ok((d, self.backend.verify(&mut a.session, &[tok, d])?))
+                })?;
+                let (first, second) = rows.split_at(rows.len() / 2);
+                let form = |row: &[f32]| match k {
+                    Some(k) => NextLogits::Top(cherenkov_engine::backend::top_of(&row[..vocab.min(row.len())], k)),
+                    None => NextLogits::Full(row.to_vec()),
+                };
+                a.logits = Some(form(first));
+                a.verifying = Some((d, form(second)));
+                a.forwarded.push(tok);
+                Ok(State::Running)
+            }
             Next::Forward(tok) => {
                 a.logits = Some(match a.decoding.candidates_needed() {
                     Some(k) => NextLogits::Top(self.forward_top(&mut a.session, tok, k)?),

@@ -184,6 +184,21 @@ impl StepLog {
         }
     }
 
+    /// Adds `tokens` generated without a step of their own (an accepted draft: the verifying
+    /// forward's step counted only the token before it) to the decode totals and this second.
+    pub fn credit_decode(&self, tokens: usize) {
+        if !cherenkov_engine::stats::ENABLED {
+            return;
+        }
+        let second = self.started.elapsed().as_secs();
+        let mut g = self.lock();
+        g.decode.tokens += tokens as u64;
+        if g.seconds.back().is_none_or(|s| s.0 != second) {
+            g.seconds.push_back((second, 0, 0));
+        }
+        g.seconds.back_mut().expect("pushed above").2 += tokens as u64;
+    }
+
     /// Seconds since the server started.
     pub fn uptime(&self) -> Duration {
         self.started.elapsed()
@@ -383,11 +398,12 @@ pub struct Summary {
     pub time_split: Option<TimeSplit>,
     pub throughput: Throughput,
     pub expert_cache: ExpertCache,
-    /// Multi-token prediction: always `None` (the backends do not run the MTP head yet).
+    /// MTP speculation: `None` while the server does not draft (`scheduler.draft` 0) and has not.
     pub mtp: Option<Mtp>,
 }
 
-/// MTP speculation (not produced yet: the field is null until a backend drafts tokens).
+/// MTP speculation: drafted tokens verified, those accepted, and their share (null before the
+/// first draft).
 #[derive(Serialize)]
 pub struct Mtp {
     pub drafted: u64,
@@ -499,7 +515,11 @@ pub fn summary(i: Inputs<'_>) -> Summary {
             slots: i.pool.slots,
             total: Counters::of(&i.pool.total),
         },
-        mtp: None,
+        mtp: (s.draft > 0 || s.drafted > 0).then(|| Mtp {
+            drafted: s.drafted,
+            accepted: s.accepted,
+            acceptance: (s.drafted > 0).then(|| s.accepted as f64 / s.drafted as f64),
+        }),
     }
 }
 
