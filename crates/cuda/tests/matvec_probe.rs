@@ -337,23 +337,7 @@ fn matvec_probe() {
         shapes.dedup();
         for nb in shapes {
             let us = time(&gpu, |i| {
-                let args = [
-                    Arg::Ptr(tables[i % sets].ptr),
-                    Arg::I32(0),
-                    Arg::Ptr(x.ptr),
-                    Arg::Ptr(act.ptr),
-                    Arg::I32(inter as i32),
-                    Arg::I32(h as i32),
-                    Arg::I32(GS as i32),
-                    Arg::I32(MV_TILED | lanes as i32),
-                    Arg::U64(offs[0] as u64),
-                    Arg::U64(offs[1] as u64),
-                    Arg::U64(offs[2] as u64),
-                    Arg::U64(offs[3] as u64),
-                    Arg::U64(offs[4] as u64),
-                    Arg::U64(offs[5] as u64),
-                    Arg::Ptr(0),
-                ];
+                let args = gate_up_args(tables[i % sets].ptr, x.ptr, act.ptr, (inter, h), lanes, &offs[..6]);
                 gpu.launch("expert_gate_up_q4", (nb as u32, 10, 1), 256, shmem(h), &args).unwrap();
             });
             let steps = 80usize.div_ceil(lanes);
@@ -366,24 +350,82 @@ fn matvec_probe() {
         shapes.dedup();
         for nb in shapes {
             let us = time(&gpu, |i| {
-                let args = [
-                    Arg::Ptr(tables[i % sets].ptr),
-                    Arg::I32(0),
-                    Arg::Ptr(act.ptr),
-                    Arg::Ptr(eout.ptr),
-                    Arg::I32(inter as i32),
-                    Arg::I32(h as i32),
-                    Arg::I32(GS as i32),
-                    Arg::I32(MV_TILED | lanes as i32),
-                    Arg::U64(offs[6] as u64),
-                    Arg::U64(offs[7] as u64),
-                    Arg::U64(offs[8] as u64),
-                ];
+                let args = down_args(tables[i % sets].ptr, act.ptr, eout.ptr, (inter, h), lanes, &offs[6..]);
                 gpu.launch("expert_down_q4", (nb as u32, 10, 1), 256, shmem(inter), &args).unwrap();
             });
             let steps = 20usize.div_ceil(lanes);
             report(&format!("down lanes {lanes:3}, {nb:3} blocks x 10 ({steps} steps)"), d_bytes, us);
         }
+    }
+}
+
+/// `expert_gate_up_q4`'s arguments (weights.rs's `launch_experts`) for ten records whose
+/// addresses are in `table`, of `dims` (intermediate, hidden) and gate/up at `offs` (words, scales,
+/// biases of each) in a record: tiled with `lanes`, no stamps, no shared expert riding along, no
+/// flag to wait for.
+fn gate_up_args(table: u64, x: u64, act: u64, dims: (usize, usize), lanes: usize, offs: &[usize]) -> Vec<Arg> {
+    let mut v = vec![
+        Arg::Ptr(table),
+        Arg::I32(0),
+        Arg::Ptr(x),
+        Arg::Ptr(act),
+        Arg::I32(dims.0 as i32),
+        Arg::I32(dims.1 as i32),
+        Arg::I32(GS as i32),
+        Arg::I32(MV_TILED | lanes as i32),
+    ];
+    v.extend(offs.iter().map(|&o| Arg::U64(o as u64)));
+    // stamp, the shared expert's gate and up (words, scales, biases), its group size and outputs,
+    // and the flag.
+    v.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0)]);
+    v.extend([Arg::I32(1), Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0)]);
+    v
+}
+
+/// `expert_down_q4`'s arguments, as [`gate_up_args`]'s, for the down projection at `offs`.
+fn down_args(table: u64, act: u64, out: u64, dims: (usize, usize), lanes: usize, offs: &[usize]) -> Vec<Arg> {
+    let mut v = vec![
+        Arg::Ptr(table),
+        Arg::I32(0),
+        Arg::Ptr(act),
+        Arg::Ptr(out),
+        Arg::I32(dims.0 as i32),
+        Arg::I32(dims.1 as i32),
+        Arg::I32(GS as i32),
+        Arg::I32(MV_TILED | lanes as i32),
+    ];
+    v.extend(offs.iter().map(|&o| Arg::U64(o as u64)));
+    // The shared expert's down (words, scales, biases), its group size, gate, up and output, and
+    // the flag.
+    v.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::I32(1), Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0)]);
+    v
+}
+
+/// The parameters of every kernel definition named `name` in the engine's CUDA source, counted
+/// from their signatures' commas (a name with the macros' `##B` is only ever defined).
+fn kernel_params(name: &str) -> Vec<usize> {
+    let src = cherenkov_cuda::compile::source();
+    src.match_indices(&format!("{name}("))
+        .map(|(i, m)| {
+            let rest = &src[i + m.len()..];
+            rest[..rest.find(')').expect("a closed parameter list")].matches(',').count() + 1
+        })
+        .collect()
+}
+
+/// The probe's launches of the engine's expert kernels pass as many arguments as the kernels take
+/// (a launch with fewer fails on the GPU machine with an invalid argument, as session 44's probe
+/// did after the kernels grew).
+#[test]
+fn expert_launch_arguments_match_the_kernels() {
+    let offs = [0; 9];
+    for (name, n) in [
+        ("expert_gate_up_q##B", gate_up_args(0, 0, 0, (640, 2560), 16, &offs[..6]).len()),
+        ("expert_down_q##B", down_args(0, 0, 0, (640, 2560), 16, &offs[6..]).len()),
+    ] {
+        let found = kernel_params(name);
+        assert!(!found.is_empty(), "{name} not found in the engine's source");
+        assert!(found.iter().all(|&p| p == n), "{name} takes {found:?} parameters, the probe passes {n}");
     }
 }
 

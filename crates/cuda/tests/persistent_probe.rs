@@ -21,14 +21,21 @@
 //!   tensor memory accelerator, `cp.async.bulk`) into a ring of `CHERENKOV_PROBE_TMA_SLOTS`
 //!   (default 4) slots of 16 rows, ahead of the 16 consumer warps and across their grid
 //!   barriers; per stage with PDL (the producer starts before the wait), persistent, and two
-//!   ceilings: without the grid barriers, and without the arithmetic.
+//!   ceilings: without the grid barriers, and without the arithmetic;
+//! - `chain_tma` persistent with flag barriers instead of grid barriers (a counter that only grows,
+//!   a release add and acquire polls from one thread a block): the cheapest wait a dataflow
+//!   kernel's all-to-all stages could use.
 //!
 //! It prints microseconds per layer and the bytes' effective bandwidth for each, and marks a
 //! variant whose outputs differ from the per-stage launches'. Then the floor every variant
 //! stands on, with no bytes at all: what one software grid barrier costs, and one dependent launch
-//! of an empty kernel (with and without PDL, from the host and replayed from a CUDA graph). A layer has about 13 dependent stages, so 13 times
+//! of an empty kernel (with and without PDL, from the host and replayed from a CUDA graph), and
+//! one flag barrier. A layer has about 13 dependent stages, so 13 times
 //! that floor is time no weight streaming can hide unless the next stage's weights move during it. Results:
-//! `benchmark/results/persistent-probe-2026-11-30.txt` and `persistent-probe-ring-2026-11-30.txt`.
+//! `benchmark/results/persistent-probe-2026-11-30.txt`, `persistent-probe-ring-2026-11-30.txt`,
+//! `persistent-probe-tma-2026-12-02-s34.txt` and `persistent-probe-flags-2026-12-03-s45.txt` (a flag
+//! barrier costs 0.95 us idle and about 2.1 us a stage under the ring's streaming, against about
+//! 1.0 us for a launch boundary in a graph: persistent loses by 7 us a layer).
 
 use std::ffi::{CString, c_void};
 
@@ -93,6 +100,29 @@ template <class T> __device__ __forceinline__ T warp_total(T v) {
 
 extern "C" __global__ void __launch_bounds__(512) barriers(unsigned* bar, int n) {
     for (int i = 0; i < n; i++) grid_barrier(bar, bar + 1, gridDim.x);
+}
+
+// A flag barrier, the cheapest all-to-all wait a dataflow kernel could use between two stages
+// whose every consumer needs every producer: one thread a block adds 1 to a counter that only
+// grows (a release add that returns nothing) and polls it (acquire loads) until it reaches
+// `target`, the arrivals of every block so far. No reset and no second word, so one round trip
+// to L2 fewer than `grid_arrive`; the counter's base comes from the host (the arrivals of
+// earlier launches).
+__device__ __forceinline__ void flag_arrive_wait(unsigned* cnt, unsigned target) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(cnt) : "memory");
+    unsigned v;
+    do {
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(cnt) : "memory");
+    } while ((int)(v - target) < 0);
+}
+
+// The flag barrier's floor: n of them in a row, nothing else.
+extern "C" __global__ void __launch_bounds__(512) flag_barriers(unsigned* cnt, int n, unsigned base) {
+    for (int i = 0; i < n; i++) {
+        __syncthreads();
+        if (threadIdx.x == 0) flag_arrive_wait(cnt, base + (unsigned)(i + 1) * gridDim.x);
+        __syncthreads();
+    }
 }
 
 // rows x 2560 int8 weights per stage, stage s at w + off[s] (bytes); x -> y alternate in xs.
@@ -220,7 +250,8 @@ extern "C" __global__ void __launch_bounds__(512) chain_pipe(
 // grid barriers, bounded only by the ring: bytes keep arriving while the consumers wait for a
 // stage's input. Blocks own contiguous row ranges of each stage (rows R b / G to R (b + 1) / G).
 // mode bit 0: grid barriers between stages (without them, the streaming ceiling: the outputs
-// then differ); bit 1: no arithmetic, the consumers only wait for each slot and release it (the
+// then differ); bit 3: flag barriers instead (`flag_arrive_wait`, the mode's bits from 4 on
+// holding the counter's base); bit 1: no arithmetic, the consumers only wait for each slot and release it (the
 // bulk copies' own rate); bit 2: integer arithmetic, x staged as 8-bit codes in the weights' byte
 // order and each 16 bytes of a row taken by four dp4a, so the products cost about what the
 // engine's 8-bit rows do rather than a conversion a byte. The codes are x 256, rounded and clamped:
@@ -275,7 +306,9 @@ extern "C" __global__ void __launch_bounds__(TMA_ROWS * 32 + 32, TMA_MIN_BLOCKS)
     int first, int last, float* xs, int dim, unsigned* bar, int mode)
 {
     extern __shared__ __align__(128) unsigned char tsm[];
-    const bool barriers = mode & 1, math = !(mode & 2), ints = mode & 4;
+    const bool barriers = mode & 1, math = !(mode & 2), ints = mode & 4, flags = mode & 8;
+    // With flag barriers (bit 3) the counter's arrivals before this launch, in the upper bits.
+    const unsigned base = (unsigned)mode >> 4;
     unsigned char* ring = tsm;
     float* xsh = (float*)(tsm + TMA_SLOTS * TMA_ROWS * 2560);
     unsigned long long* full = (unsigned long long*)(xsh + 2560);
@@ -345,8 +378,15 @@ extern "C" __global__ void __launch_bounds__(TMA_ROWS * 32 + 32, TMA_MIN_BLOCKS)
             __syncwarp();
             if (lane == 0) mbar_arrive(empty + slot);
         }
-        if (s < last && barriers) consumers_grid_barrier(bar, bar + 1, gridDim.x);
-        else consumers_sync();  // every warp is done with xsh before it is staged again
+        if (s < last && flags) {
+            consumers_sync();
+            if (threadIdx.x == 0) flag_arrive_wait(bar + 2, base + (unsigned)(s - first + 1) * gridDim.x);
+            consumers_sync();
+        } else if (s < last && barriers) {
+            consumers_grid_barrier(bar, bar + 1, gridDim.x);
+        } else {
+            consumers_sync();
+        }  // every warp is done with xsh before it is staged again
     }
 }
 
@@ -440,6 +480,7 @@ fn probe_kernel_compiles() {
     assert!(p.contains(".entry chain(") && p.contains(".entry chain_pipe(") && p.contains(".entry chain_tma("));
     assert!(p.contains(".entry chain_ints("));
     assert!(p.contains(".entry barriers(") && p.contains(".entry empty_stage("));
+    assert!(p.contains(".entry flag_barriers(") && p.contains("red.release.gpu.global.add.u32"));
 }
 
 #[test]
@@ -459,11 +500,22 @@ fn persistent_probe() {
     let cptx = CString::new(ptx(arch)).unwrap();
     gpu.bind().unwrap();
     // SAFETY: a NUL-terminated PTX image; the function names exist in it.
-    let (f, fp, ft, fi, fb, fe) = unsafe {
+    let (f, fp, ft, fi, fb, fe, ff) = unsafe {
         let m = cu::module::load_data(cptx.as_ptr() as *const c_void).unwrap();
         let get = |name: &str| cu::module::get_function(m, CString::new(name).unwrap()).unwrap();
-        (get("chain"), get("chain_pipe"), get("chain_tma"), get("chain_ints"), get("barriers"), get("empty_stage"))
+        (
+            get("chain"),
+            get("chain_pipe"),
+            get("chain_tma"),
+            get("chain_ints"),
+            get("barriers"),
+            get("empty_stage"),
+            get("flag_barriers"),
+        )
     };
+    // The flag barriers' counter (word 2 of `bar`) only grows: the arrivals so far, which each
+    // launch that waits on it takes as its base.
+    let arrivals = std::cell::Cell::new(0u32);
     let w = gpu.alloc(total as usize, "weights").unwrap();
     // Random-ish bytes (the values do not matter, the bytes do).
     let fill: Vec<u8> = (0..total as usize).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
@@ -671,6 +723,15 @@ fn persistent_probe() {
             });
         }
         measure_ints(format!("tma, dp4a: persistent, grid {grid}"), &|| tma(false, grid, 0, n - 1, 5));
+        // The flag barriers: the base in the mode's upper bits, then n - 1 arrivals of each block.
+        let flagged = |math: i32| {
+            let base = arrivals.get();
+            arrivals.set(base + (n as u32 - 1) * grid);
+            tma(false, grid, 0, n - 1, math | 8 | ((base as i32) << 4));
+        };
+        measure_ints(format!("tma, dp4a: persistent, flag barriers, grid {grid}"), &|| flagged(4));
+        measure(format!("tma: persistent, flag barriers, grid {grid}"), &|| flagged(0));
+        measure(format!("tma: persistent, flag barriers, no arithmetic, grid {grid}"), &|| flagged(2));
         measure_ints(format!("tma, dp4a: persistent, no grid barriers (the ceiling), grid {grid}"), &|| {
             tma(false, grid, 0, n - 1, 4)
         });
@@ -723,6 +784,25 @@ fn persistent_probe() {
             .unwrap()
         });
         println!("{:64} {us:8.2} us", format!("one grid barrier, grid {grid} x {threads}"));
+        let us = per(&|| {
+            let base = arrivals.get();
+            arrivals.set(base + reps as u32 * grid);
+            // SAFETY: `flag_barriers` takes (unsigned*, int, unsigned: passed as its bits); its grid is co-resident;
+            // the counter holds `base` arrivals.
+            unsafe {
+                gpu.launch_function(
+                    ff,
+                    "flag_barriers",
+                    (grid, 1, 1),
+                    threads,
+                    0,
+                    &[Arg::Ptr(bar.ptr + 8), Arg::I32(reps), Arg::I32(base as i32)],
+                    false,
+                )
+            }
+            .unwrap()
+        });
+        println!("{:64} {us:8.2} us", format!("one flag barrier, grid {grid} x {threads}"));
         for pdl in [false, true] {
             let us = per(&|| {
                 for _ in 0..reps {
