@@ -47,6 +47,7 @@ pub const KERNELS: &[&str] = &[
     "qsa_pool_block",
     "qsa_scores",
     "attend",
+    "attend_cl",
     "attn_prep",
     "ple_gate",
     "ple_conv",

@@ -403,6 +403,30 @@ impl Gpu {
         }
     }
 
+    /// [`Gpu::launch`] in thread block clusters of `cluster` blocks along x (compute capability
+    /// 9.0; `cluster` at most 8 and dividing `grid.0`).
+    pub fn launch_clustered(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        shmem: u32,
+        args: &[Arg],
+        cluster: u32,
+    ) -> Result<()> {
+        if cluster > 8 || !grid.0.is_multiple_of(cluster) {
+            bail!("{name}: clusters of {cluster} blocks for a grid of {} along x", grid.0);
+        }
+        let f = *self.funcs.get(name).with_context(|| format!("no kernel named {name}"))?;
+        // SAFETY: as `launch`; clusters of at most 8 need no attribute on the kernel.
+        unsafe {
+            if self.twice.iter().any(|k| k == name) {
+                self.launch_function_clustered(f, name, grid, block, shmem, args, self.pdl, cluster)?;
+            }
+            self.launch_function_clustered(f, name, grid, block, shmem, args, self.pdl, cluster)
+        }
+    }
+
     /// Launches kernel `f` (named `name` in errors) on the compute stream (the side stream inside
     /// [`Gpu::on_side`]), with programmatic stream serialization when `pdl`.
     ///

@@ -84,6 +84,9 @@ const CAND_SEL: usize = 256;
 const CAND_KEYS: usize = 16384;
 /// `attend`'s register slots per lane: head_dim up to 32 x this (attention.cu's ATTEND_R).
 const ATTEND_MAX_R: usize = 8;
+/// `attend_cl`'s cluster: blocks a pair of query heads spreads over, each merging 32 of a head's
+/// dims (attention.cu's ATTEND_CL).
+const ATTEND_CLUSTER: usize = 8;
 
 /// What a step returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -590,6 +593,10 @@ pub struct CudaModel {
     /// stages it, as the GDN recurrence does for its out_proj (`CHERENKOV_NO_ATTEND_DIGITS=1`: the
     /// projection's blocks convert it).
     attend_digits: bool,
+    /// Attention's splits merged through a thread block cluster's shared memory (`attend_cl`)
+    /// where query heads pair up on a KV head and head_dim is 256, on compute capability 9.0
+    /// (`CHERENKOV_NO_ATTEND_CLUSTER=1`: `attend`, merged by the last block through L2).
+    attend_cluster: bool,
     /// Streaming: a block's read experts are queued before its lookahead's host work where the host
     /// has nothing to wait for (see `moe`; `CHERENKOV_READS_FIRST=0` queues them after it).
     reads_first: bool,
@@ -855,6 +862,8 @@ impl MoeBufs {
 impl CudaModel {
     /// Uploads the dense weights and binds the expert pool (whose slots live on this GPU).
     pub fn new(store: Arc<Store>, gpu: Arc<Gpu>, pool: Arc<ExpertPool<DeviceSlots>>) -> Result<CudaModel> {
+        let attend_cluster =
+            std::env::var_os("CHERENKOV_NO_ATTEND_CLUSTER").is_none() && gpu.info.compute_capability.0 >= 9;
         let c = store.config().clone();
         if !Arc::ptr_eq(pool.memory().gpu(), &gpu) {
             bail!("the expert pool's slots live on another GPU handle than the model's");
@@ -967,6 +976,7 @@ impl CudaModel {
             gdn_digits: std::env::var_os("CHERENKOV_NO_GDN_DIGITS").is_none(),
             attend_gate: std::env::var_os("CHERENKOV_NO_ATTEND_GATE").is_none(),
             attend_digits: std::env::var_os("CHERENKOV_NO_ATTEND_DIGITS").is_none(),
+            attend_cluster,
             inject_beside: std::env::var_os("CHERENKOV_NO_INJECT_BESIDE").is_none(),
             reads_first: std::env::var("CHERENKOV_READS_FIRST").map_or(true, |v| v != "0"),
             device_hits,
@@ -2200,29 +2210,55 @@ impl CudaModel {
             (true, false) => (gate.ptr, 0),
             (true, true) => (gate.ptr, qg.ptr),
         };
-        g.launch(
-            "attend",
-            ((nh / group) as u32, ATTEND_SPLITS as u32, 1),
-            32 * group as u32,
-            0,
-            &[
-                Arg::Ptr(q.ptr),
-                Arg::Ptr(st.k.ptr),
-                Arg::Ptr(st.v.ptr),
-                Arg::Ptr(idx_ptr),
-                Arg::I32(n as i32),
-                Arg::Ptr(step),
-                Arg::Ptr(sc.attn_part.ptr),
-                Arg::Ptr(sc.attn_count.ptr),
-                Arg::Ptr(attn.ptr),
-                Arg::I32(nh as i32),
-                Arg::I32(nkv as i32),
-                Arg::I32(d as i32),
-                Arg::F32(1.0 / (d as f32).sqrt()),
-                Arg::Ptr(gate_arg),
-                Arg::Ptr(digits_arg),
-            ],
-        )?;
+        let scale = 1.0 / (d as f32).sqrt();
+        if self.attend_cluster && (nh / nkv.max(1)).is_multiple_of(2) && d == 32 * ATTEND_CLUSTER {
+            g.launch_clustered(
+                "attend_cl",
+                ((nh / 2 * ATTEND_CLUSTER) as u32, 1, 1),
+                256,
+                0,
+                &[
+                    Arg::Ptr(q.ptr),
+                    Arg::Ptr(st.k.ptr),
+                    Arg::Ptr(st.v.ptr),
+                    Arg::Ptr(idx_ptr),
+                    Arg::I32(n as i32),
+                    Arg::Ptr(step),
+                    Arg::Ptr(attn.ptr),
+                    Arg::I32(nh as i32),
+                    Arg::I32(nkv as i32),
+                    Arg::I32(d as i32),
+                    Arg::F32(scale),
+                    Arg::Ptr(gate_arg),
+                    Arg::Ptr(digits_arg),
+                ],
+                ATTEND_CLUSTER as u32,
+            )?;
+        } else {
+            g.launch(
+                "attend",
+                ((nh / group) as u32, ATTEND_SPLITS as u32, 1),
+                32 * group as u32,
+                0,
+                &[
+                    Arg::Ptr(q.ptr),
+                    Arg::Ptr(st.k.ptr),
+                    Arg::Ptr(st.v.ptr),
+                    Arg::Ptr(idx_ptr),
+                    Arg::I32(n as i32),
+                    Arg::Ptr(step),
+                    Arg::Ptr(sc.attn_part.ptr),
+                    Arg::Ptr(sc.attn_count.ptr),
+                    Arg::Ptr(attn.ptr),
+                    Arg::I32(nh as i32),
+                    Arg::I32(nkv as i32),
+                    Arg::I32(d as i32),
+                    Arg::F32(scale),
+                    Arg::Ptr(gate_arg),
+                    Arg::Ptr(digits_arg),
+                ],
+            )?;
+        }
         let input = match (self.attend_gate, image) {
             // attn * sigmoid(gate), applied by o_proj as it stages its input.
             (false, _) => MatvecInput::MulSigmoid(attn.ptr, gate.ptr),

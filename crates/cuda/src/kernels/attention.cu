@@ -184,21 +184,15 @@ __device__ __forceinline__ int attend_splits(int n, int grid_splits) {
 #endif
 }
 
-extern "C" __global__ void attend(const float* __restrict__ q, const float* __restrict__ kc,
-                                  const float* __restrict__ vc, const int* __restrict__ idx, int n,
-                                  const int* step, float* part, int* count, float* out, int heads, int kv_heads,
-                                  int d, float scale, const float* __restrict__ gate, u32* digits) {
-    KSPAN;
-    grid_enter();
-    const int G = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int s = blockIdx.y;
-    const int h = blockIdx.x * G + warp;
-    const int hk = h / (heads / kv_heads);
-    if (!idx) n = step[1] + 1;
-    const int S = attend_splits(n, gridDim.y);
-    if (s >= S) return;
-    const int chunk = (n + S - 1) / S, lo = min(n, s * chunk), hi = min(n, lo + chunk);
-    float qr[ATTEND_R], acc[ATTEND_R];
+// One warp's attention over tokens lo..hi of the cache (through `idx` where given) for query head
+// h (KV head hk): acc = sum exp(s - m) v with lane j holding dims j, j + 32, ..., m the largest
+// score and l = sum exp(s - m), four tokens at a time. No tokens: acc 0, m -inf, l 0.
+__device__ __forceinline__ void attend_span(const float* __restrict__ q, const float* __restrict__ kc,
+                                            const float* __restrict__ vc, const int* __restrict__ idx, int lo,
+                                            int hi, int h, int hk, int kv_heads, int d, float scale,
+                                            float (&acc)[ATTEND_R], float& m_out, float& l_out) {
+    const int lane = threadIdx.x & 31;
+    float qr[ATTEND_R];
 #pragma unroll
     for (int r = 0; r < ATTEND_R; r++) {
         const int j = lane + 32 * r;
@@ -264,6 +258,26 @@ extern "C" __global__ void attend(const float* __restrict__ q, const float* __re
         }
         m = mn;
     }
+    m_out = m;
+    l_out = l;
+}
+
+extern "C" __global__ void attend(const float* __restrict__ q, const float* __restrict__ kc,
+                                  const float* __restrict__ vc, const int* __restrict__ idx, int n,
+                                  const int* step, float* part, int* count, float* out, int heads, int kv_heads,
+                                  int d, float scale, const float* __restrict__ gate, u32* digits) {
+    KSPAN;
+    grid_enter();
+    const int G = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int s = blockIdx.y;
+    const int h = blockIdx.x * G + warp;
+    const int hk = h / (heads / kv_heads);
+    if (!idx) n = step[1] + 1;
+    const int S = attend_splits(n, gridDim.y);
+    if (s >= S) return;
+    const int chunk = (n + S - 1) / S, lo = min(n, s * chunk), hi = min(n, lo + chunk);
+    float acc[ATTEND_R], m, l;
+    attend_span(q, kc, vc, idx, lo, hi, h, hk, kv_heads, d, scale, acc, m, l);
     float* mine = part + ((size_t)h * gridDim.y + s) * (d + 2);
 #pragma unroll
     for (int r = 0; r < ATTEND_R; r++) {
@@ -336,4 +350,106 @@ extern "C" __global__ void attend(const float* __restrict__ q, const float* __re
     }
     // (d is a multiple of 32 where digits is given: chunk h d / 32 + r is dims 32 r.. of head h.)
     if (digits) mvd_put_chunks<ATTEND_R>(digits, heads * d / 32, h * d / 32, y, d / 32);
+}
+
+// `attend` in thread block clusters (`attend_cl`), where a block holds 2 query heads of one KV
+// head and a head's dims split into whole 32-dim slices over the cluster (head_dim = 32 ATTEND_CL): the splits'
+// partial results stay in shared memory and are merged through the cluster's distributed shared
+// memory, after a cluster barrier, instead of `attend`'s fence, count and second pass through L2
+// by the last block (about 8 us of a 13 us launch at a short context, session 45).
+//
+// A cluster of ATTEND_CL blocks serves one pair of heads (clusters along x: blockIdx.x /
+// ATTEND_CL is the pair, the cluster rank the block's place in it). A block's 8 warps are 4 a
+// head (blocks of 256 threads: at 512 the splits' registers spill), so a head's tokens split 32
+// ways over the cluster (split p = rank * 4 + warp % 4 takes tokens p chunk .. (p + 1) chunk),
+// each warp as `attend`'s splits (attend_span). After the barrier, warp w < 2 of block r merges
+// head w of the pair's dims 32 r .. 32 r + 31, lane l holding dim 32 r + l: it
+// loads the 32 splits' maxima and sums (lane p split p's) and their values of its dim, and writes
+// out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p, gated and as o_proj's staged image as
+// `attend`'s merge does. A second barrier keeps every block's partials until the others have read
+// them.
+#ifndef ATTEND_CL
+#define ATTEND_CL 8
+#endif
+// (Clusters need compute capability 9.0: below it the kernel is empty and never launched.)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define ATTEND_CLUSTERS 1
+#else
+#define ATTEND_CLUSTERS 0
+#endif
+#if ATTEND_CLUSTERS
+__device__ __forceinline__ void cluster_sync_all() {
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The float at `p` in this block's shared memory, read from the block of cluster rank `rank`.
+__device__ __forceinline__ float cluster_load(const float* p, unsigned rank) {
+    const unsigned local = (unsigned)__cvta_generic_to_shared(p);
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(256) attend_cl(const float* __restrict__ q, const float* __restrict__ kc,
+                                                            const float* __restrict__ vc, const int* __restrict__ idx,
+                                                            int n, const int* step, float* out, int heads,
+                                                            int kv_heads, int d, float scale,
+                                                            const float* __restrict__ gate, u32* digits) {
+    KSPAN;
+#if ATTEND_CLUSTERS
+    // Each warp's split: its dims' values, then its maximum and sum.
+    __shared__ float part[8][32 * ATTEND_R + 2];
+    grid_enter();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    unsigned rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    const int pair = blockIdx.x / ATTEND_CL;
+    const int h = pair * 2 + warp / 4, hk = h / (heads / kv_heads);
+    if (!idx) n = step[1] + 1;
+    const int p = (int)rank * 4 + (warp & 3);
+    const int chunk = (n + 31) / 32, lo = min(n, p * chunk), hi = min(n, lo + chunk);
+    float acc[ATTEND_R], m, l;
+    attend_span(q, kc, vc, idx, lo, hi, h, hk, kv_heads, d, scale, acc, m, l);
+#pragma unroll
+    for (int r = 0; r < ATTEND_R; r++) {
+        const int j = lane + 32 * r;
+        if (j < d) part[warp][j] = acc[r];
+    }
+    if (lane == 0) {
+        part[warp][d] = m;
+        part[warp][d + 1] = l;
+    }
+    tl_mark();
+    const int hm = pair * 2 + warp, dim = 32 * (int)rank + lane;
+    // The gate (written by attn_prep, which this launch waited for), requested before the barrier.
+    const float gv = gate && warp < 2 ? __ldcg(gate + (size_t)hm * d + dim) : 0.0f;
+    cluster_sync_all();
+    if (warp < 2) {
+        // Split p of head `warp` is warp 4 warp + p % 4 of the block of rank p / 4.
+        const float* mine = part[4 * warp + (lane & 3)];
+        const float mp = cluster_load(mine + d, lane >> 2);
+        const float lp = cluster_load(mine + d + 1, lane >> 2);
+        // The splits' values in two batches of 16 (all 32 at once spill at 512 threads).
+        float a[16];
+#pragma unroll
+        for (int s = 0; s < 16; s++) a[s] = cluster_load(part[4 * warp + (s & 3)] + dim, s >> 2);
+        const float M = warp_max(mp);
+        const float wp = expf(mp - M);  // 0 for a split without tokens (m -inf); n >= 1 keeps M finite
+        const float L = warp_sum(wp * lp);
+        float o = 0.0f;
+#pragma unroll
+        for (int s = 0; s < 16; s++) o = fmaf(__shfl_sync(0xffffffffu, wp, s), a[s], o);
+#pragma unroll
+        for (int s = 0; s < 16; s++) a[s] = cluster_load(part[4 * warp + (s & 3)] + dim, (s + 16) >> 2);
+#pragma unroll
+        for (int s = 0; s < 16; s++) o = fmaf(__shfl_sync(0xffffffffu, wp, s + 16), a[s], o);
+        const float y = gate ? (o * (1.0f / L)) * sigmoidf_(gv) : o * (1.0f / L);
+        out[(size_t)hm * d + dim] = y;
+        if (digits) mvd_put_chunk(digits, heads * d / 32, hm * d / 32 + (int)rank, y);
+    }
+    cluster_sync_all();
+#endif
 }
