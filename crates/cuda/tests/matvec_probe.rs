@@ -359,22 +359,29 @@ fn matvec_probe() {
     }
 }
 
-/// `expert_gate_up_q4`'s arguments (weights.rs's `launch_experts`) for ten records whose
-/// addresses are in `table`, of `dims` (intermediate, hidden) and gate/up at `offs` (words, scales,
-/// biases of each) in a record: tiled with `lanes`, no stamps, no shared expert riding along, no
-/// flag to wait for.
-fn gate_up_args(table: u64, x: u64, act: u64, dims: (usize, usize), lanes: usize, offs: &[usize]) -> Vec<Arg> {
+/// What both expert kernels take first: the records' table, its first entry, the input and output,
+/// the dims, the group size, the tiled core's lanes, and the matrices' offsets in a record.
+fn expert_args(table: u64, input: u64, output: u64, dims: (usize, usize), lanes: usize, offs: &[usize]) -> Vec<Arg> {
     let mut v = vec![
         Arg::Ptr(table),
         Arg::I32(0),
-        Arg::Ptr(x),
-        Arg::Ptr(act),
+        Arg::Ptr(input),
+        Arg::Ptr(output),
         Arg::I32(dims.0 as i32),
         Arg::I32(dims.1 as i32),
         Arg::I32(GS as i32),
         Arg::I32(MV_TILED | lanes as i32),
     ];
     v.extend(offs.iter().map(|&o| Arg::U64(o as u64)));
+    v
+}
+
+/// `expert_gate_up_q4`'s arguments (weights.rs's `launch_experts`) for ten records whose
+/// addresses are in `table`, of `dims` (intermediate, hidden) and gate/up at `offs` (words, scales,
+/// biases of each) in a record: tiled with `lanes`, no stamps, no shared expert riding along, no
+/// flag to wait for.
+fn gate_up_args(table: u64, x: u64, act: u64, dims: (usize, usize), lanes: usize, offs: &[usize]) -> Vec<Arg> {
+    let mut v = expert_args(table, x, act, dims, lanes, offs);
     // stamp, the shared expert's gate and up (words, scales, biases), its group size and outputs,
     // and the flag.
     v.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0)]);
@@ -384,17 +391,7 @@ fn gate_up_args(table: u64, x: u64, act: u64, dims: (usize, usize), lanes: usize
 
 /// `expert_down_q4`'s arguments, as [`gate_up_args`]'s, for the down projection at `offs`.
 fn down_args(table: u64, act: u64, out: u64, dims: (usize, usize), lanes: usize, offs: &[usize]) -> Vec<Arg> {
-    let mut v = vec![
-        Arg::Ptr(table),
-        Arg::I32(0),
-        Arg::Ptr(act),
-        Arg::Ptr(out),
-        Arg::I32(dims.0 as i32),
-        Arg::I32(dims.1 as i32),
-        Arg::I32(GS as i32),
-        Arg::I32(MV_TILED | lanes as i32),
-    ];
-    v.extend(offs.iter().map(|&o| Arg::U64(o as u64)));
+    let mut v = expert_args(table, act, out, dims, lanes, offs);
     // The shared expert's down (words, scales, biases), its group size, gate, up and output, and
     // the flag.
     v.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::I32(1), Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0)]);
