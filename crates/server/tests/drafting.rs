@@ -7,7 +7,7 @@
 
 mod common;
 
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
 use anyhow::Result;
 use cherenkov_cpu::{CpuModel, CpuSession, Logits};
@@ -15,23 +15,14 @@ use cherenkov_engine::backend::Backend;
 use cherenkov_engine::residency::{ExpertPool, HostSlots};
 use cherenkov_engine::sampling::SamplingParams;
 use cherenkov_engine::stats::PoolStats;
-use cherenkov_model::checkpoint::Checkpoint;
-use cherenkov_model::store::{Store, pack::pack};
+use cherenkov_model::store::Store;
 use cherenkov_server::{Background, ModelSpec, ServerOptions};
-use common::{get, post, workspace};
+use common::{get, post};
 use serde_json::{Value, json};
 
+/// tiny-a, whose checkpoint has an MTP head (tiny-b's has none).
 fn store() -> Arc<Store> {
-    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    static LOCK: Mutex<()> = Mutex::new(());
-    let dir = DIR.get_or_init(|| tempfile::tempdir().unwrap());
-    let _g = LOCK.lock().unwrap();
-    let out = dir.path().join("tiny-a");
-    if !out.join("manifest.json").exists() {
-        let ck = Checkpoint::open(&workspace().join("fixtures/golden/tiny-a/mlx4")).unwrap();
-        pack(&ck, &out, &indicatif::ProgressBar::hidden()).unwrap();
-    }
-    Arc::new(Store::open(&out).unwrap())
+    common::packed("tiny-a")
 }
 
 /// Drafts the trunk's own most likely token (from a copy of the session); the rest is the CPU

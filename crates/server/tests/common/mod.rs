@@ -1,4 +1,4 @@
-//! The tiny-b fixture packed into a store, the CPU backend over it, servers on free ports, a bare
+//! The golden fixtures packed into stores (tiny-b by default), the CPU backend over it, servers on free ports, a bare
 //! HTTP/1.1 client (so a test can send any bytes), and the Python interpreter the client tests use.
 #![allow(dead_code)] // each test binary uses its own part
 
@@ -23,13 +23,19 @@ pub fn workspace() -> PathBuf {
 /// with a budget of 8), PLE, 6 experts top-2, a 500-token tokenizer in a 512-row vocabulary,
 /// max_position_embeddings 4096.
 pub fn store() -> Arc<Store> {
+    packed("tiny-b")
+}
+
+/// The golden fixture `name`'s MLX twin (`fixtures/golden/NAME/mlx4`), packed once per test
+/// process.
+pub fn packed(name: &str) -> Arc<Store> {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
     static LOCK: Mutex<()> = Mutex::new(());
     let dir = DIR.get_or_init(|| tempfile::tempdir().unwrap());
     let _g = LOCK.lock().unwrap();
-    let out = dir.path().join("tiny-b");
+    let out = dir.path().join(name);
     if !out.join("manifest.json").exists() {
-        let ck = Checkpoint::open(&workspace().join("fixtures/golden/tiny-b/mlx4")).unwrap();
+        let ck = Checkpoint::open(&workspace().join(format!("fixtures/golden/{name}/mlx4"))).unwrap();
         pack(&ck, &out, &indicatif::ProgressBar::hidden()).unwrap();
     }
     Arc::new(Store::open(&out).unwrap())
