@@ -2211,53 +2211,35 @@ impl CudaModel {
             (true, true) => (gate.ptr, qg.ptr),
         };
         let scale = 1.0 / (d as f32).sqrt();
-        if self.attend_cluster && (nh / nkv.max(1)).is_multiple_of(2) && d == 32 * ATTEND_CLUSTER {
-            g.launch_clustered(
-                "attend_cl",
-                ((nh / 2 * ATTEND_CLUSTER) as u32, 1, 1),
-                256,
-                0,
-                &[
-                    Arg::Ptr(q.ptr),
-                    Arg::Ptr(st.k.ptr),
-                    Arg::Ptr(st.v.ptr),
-                    Arg::Ptr(idx_ptr),
-                    Arg::I32(n as i32),
-                    Arg::Ptr(step),
-                    Arg::Ptr(attn.ptr),
-                    Arg::I32(nh as i32),
-                    Arg::I32(nkv as i32),
-                    Arg::I32(d as i32),
-                    Arg::F32(scale),
-                    Arg::Ptr(gate_arg),
-                    Arg::Ptr(digits_arg),
-                ],
-                ATTEND_CLUSTER as u32,
-            )?;
+        let clustered = self.attend_cluster && (nh / nkv.max(1)).is_multiple_of(2) && d == 32 * ATTEND_CLUSTER;
+        // Both kernels take the same arguments, except `attend`'s partials and counts for its
+        // merge through L2 (after the step's inputs); `attend_cl` merges in the cluster.
+        let mut args = vec![
+            Arg::Ptr(q.ptr),
+            Arg::Ptr(st.k.ptr),
+            Arg::Ptr(st.v.ptr),
+            Arg::Ptr(idx_ptr),
+            Arg::I32(n as i32),
+            Arg::Ptr(step),
+        ];
+        if !clustered {
+            args.extend([Arg::Ptr(sc.attn_part.ptr), Arg::Ptr(sc.attn_count.ptr)]);
+        }
+        args.extend([
+            Arg::Ptr(attn.ptr),
+            Arg::I32(nh as i32),
+            Arg::I32(nkv as i32),
+            Arg::I32(d as i32),
+            Arg::F32(scale),
+            Arg::Ptr(gate_arg),
+            Arg::Ptr(digits_arg),
+        ]);
+        if clustered {
+            let grid = ((nh / 2 * ATTEND_CLUSTER) as u32, 1, 1);
+            g.launch_clustered("attend_cl", grid, 256, 0, &args, ATTEND_CLUSTER as u32)?;
         } else {
-            g.launch(
-                "attend",
-                ((nh / group) as u32, ATTEND_SPLITS as u32, 1),
-                32 * group as u32,
-                0,
-                &[
-                    Arg::Ptr(q.ptr),
-                    Arg::Ptr(st.k.ptr),
-                    Arg::Ptr(st.v.ptr),
-                    Arg::Ptr(idx_ptr),
-                    Arg::I32(n as i32),
-                    Arg::Ptr(step),
-                    Arg::Ptr(sc.attn_part.ptr),
-                    Arg::Ptr(sc.attn_count.ptr),
-                    Arg::Ptr(attn.ptr),
-                    Arg::I32(nh as i32),
-                    Arg::I32(nkv as i32),
-                    Arg::I32(d as i32),
-                    Arg::F32(scale),
-                    Arg::Ptr(gate_arg),
-                    Arg::Ptr(digits_arg),
-                ],
-            )?;
+            let grid = ((nh / group) as u32, ATTEND_SPLITS as u32, 1);
+            g.launch("attend", grid, 32 * group as u32, 0, &args)?;
         }
         let input = match (self.attend_gate, image) {
             // attn * sigmoid(gate), applied by o_proj as it stages its input.

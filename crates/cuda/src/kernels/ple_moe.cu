@@ -570,8 +570,11 @@ EXPERT_KERNELS_TILED(8, 3)
 // Only `out` and `shared` are written by the launch before this one (the down projections, the
 // shared expert riding along there); the residual, the injection logits, the shared gate and the
 // first batch's entries and weights are written earlier, so they are loaded before the wait
-// (`COMBINE_LATE`: after it, as before session 19).
+// (`COMBINE_LATE`: after it, as before session 19). COMBINE_BATCH ranks are loaded at a time (a
+// define, for measurements: at top-10 a batch of 8 leaves a second round trip for the last two).
+#ifndef COMBINE_BATCH
 #define COMBINE_BATCH 8
+#endif
 extern "C" __global__ void moe_combine(const float* out, const int* entry, const float* w, int k, const float* shared,
                                        const float* shared_gate, float* y, int H, float* x, const float* inj, int hc,
                                        u64* stamp) {
