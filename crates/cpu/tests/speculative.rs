@@ -3,56 +3,15 @@
 //! (the tiny fixture's random MTP head) or accepted (an oracle that drafts the trunk's own choice).
 
 mod common;
+#[path = "support/oracle.rs"]
+mod oracle;
 
-use anyhow::Result;
-use cherenkov_cpu::{CpuModel, CpuSession, Logits};
 use cherenkov_engine::backend::Backend;
 use cherenkov_engine::generate::{GenerateOptions, Generation, generate};
 use cherenkov_engine::sampling::SamplingParams;
-use cherenkov_engine::stats::PoolStats;
 use cherenkov_engine::tokenizer::Tokenizer;
 use common::{model, store};
-
-/// Drafts the trunk's own most likely token (from a copy of the session), so that greedy drafts
-/// are always accepted; everything else is the CPU model's.
-struct Oracle<'a>(&'a CpuModel);
-
-impl Backend for Oracle<'_> {
-    type Session = CpuSession;
-    fn name(&self) -> &'static str {
-        "oracle"
-    }
-    fn new_session(&self) -> Result<CpuSession> {
-        Ok(self.0.new_session())
-    }
-    fn snapshot_session(&self, s: &CpuSession) -> Result<CpuSession> {
-        Ok(s.clone())
-    }
-    fn session_len(&self, s: &CpuSession) -> usize {
-        s.pos
-    }
-    fn forward(&self, s: &mut CpuSession, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {
-        self.0.forward(s, tokens, which)
-    }
-    fn enable_drafting(&self, _s: &mut CpuSession) -> Result<()> {
-        Ok(())
-    }
-    fn draft(&self, s: &mut CpuSession, next: u32) -> Result<Vec<f32>> {
-        self.0.forward(&mut s.clone(), &[next], Logits::Last)
-    }
-    fn verify(&self, s: &mut CpuSession, tokens: &[u32]) -> Result<Vec<f32>> {
-        self.0.verify(s, tokens)
-    }
-    fn commit(&self, s: &mut CpuSession, keep: usize) -> Result<()> {
-        self.0.commit(s, keep)
-    }
-    fn vocab_size(&self) -> usize {
-        self.0.config().vocab_size
-    }
-    fn pool_stats(&self) -> PoolStats {
-        self.0.pool.stats()
-    }
-}
+use oracle::Oracle;
 
 fn run<B: Backend>(b: &B, prompt: &[u32], tok: &Tokenizer, sampling: &SamplingParams, draft: usize) -> Generation {
     let opts = GenerateOptions {

@@ -6,70 +6,23 @@
 //! accepting path too.
 
 mod common;
+#[path = "../../cpu/tests/support/oracle.rs"]
+mod oracle;
 
 use std::sync::Arc;
 
-use anyhow::Result;
-use cherenkov_cpu::{CpuModel, CpuSession, Logits};
-use cherenkov_engine::backend::Backend;
+use cherenkov_cpu::CpuModel;
 use cherenkov_engine::residency::{ExpertPool, HostSlots};
 use cherenkov_engine::sampling::SamplingParams;
-use cherenkov_engine::stats::PoolStats;
 use cherenkov_model::store::Store;
 use cherenkov_server::{Background, ModelSpec, ServerOptions};
 use common::{get, post};
+use oracle::Oracle;
 use serde_json::{Value, json};
 
 /// tiny-a, whose checkpoint has an MTP head (tiny-b's has none).
 fn store() -> Arc<Store> {
     common::packed("tiny-a")
-}
-
-/// Drafts the trunk's own most likely token (from a copy of the session); the rest is the CPU
-/// model's.
-struct Oracle(Arc<CpuModel>);
-
-impl Backend for Oracle {
-    type Session = CpuSession;
-    fn name(&self) -> &'static str {
-        "oracle"
-    }
-    fn new_session(&self) -> Result<CpuSession> {
-        Ok(self.0.new_session())
-    }
-    fn snapshot_session(&self, s: &CpuSession) -> Result<CpuSession> {
-        Ok(s.clone())
-    }
-    fn session_len(&self, s: &CpuSession) -> usize {
-        s.pos
-    }
-    fn session_bytes(&self, s: &CpuSession) -> Option<usize> {
-        Some(s.bytes())
-    }
-    fn forward(&self, s: &mut CpuSession, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {
-        self.0.forward(s, tokens, which)
-    }
-    fn enable_drafting(&self, _s: &mut CpuSession) -> Result<()> {
-        Ok(())
-    }
-    fn drafting(&self, _s: &CpuSession) -> bool {
-        true
-    }
-    fn draft(&self, s: &mut CpuSession, next: u32) -> Result<Vec<f32>> {
-        self.0.forward(&mut s.clone(), &[next], Logits::Last)
-    }
-    fn verify(&self, s: &mut CpuSession, tokens: &[u32]) -> Result<Vec<f32>> {
-        self.0.verify(s, tokens)
-    }
-    fn commit(&self, s: &mut CpuSession, keep: usize) -> Result<()> {
-        self.0.commit(s, keep)
-    }
-    fn vocab_size(&self) -> usize {
-        self.0.config().vocab_size
-    }
-    fn pool_stats(&self) -> PoolStats {
-        self.0.pool.stats()
-    }
 }
 
 fn start(draft: usize) -> Background {
