@@ -392,19 +392,11 @@ impl Gpu {
 
     /// Launches kernel `name` on the compute stream.
     pub fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, shmem: u32, args: &[Arg]) -> Result<()> {
-        let f = *self.funcs.get(name).with_context(|| format!("no kernel named {name}"))?;
-        // SAFETY: f is a kernel of the loaded module, and every caller passes the arguments its
-        // CUDA declaration takes; with PDL every kernel waits for its predecessor (grid_wait).
-        unsafe {
-            if self.twice.iter().any(|k| k == name) {
-                self.launch_function(f, name, grid, block, shmem, args, self.pdl)?;
-            }
-            self.launch_function(f, name, grid, block, shmem, args, self.pdl)
-        }
+        self.launch_clustered(name, grid, block, shmem, args, 1)
     }
 
-    /// [`Gpu::launch`] in thread block clusters of `cluster` blocks along x (compute capability
-    /// 9.0; `cluster` at most 8 and dividing `grid.0`).
+    /// [`Gpu::launch`] in thread block clusters of `cluster` blocks along x (1: none; above 1,
+    /// compute capability 9.0, `cluster` at most 8 and dividing `grid.0`).
     pub fn launch_clustered(
         &self,
         name: &str,
@@ -418,7 +410,9 @@ impl Gpu {
             bail!("{name}: clusters of {cluster} blocks for a grid of {} along x", grid.0);
         }
         let f = *self.funcs.get(name).with_context(|| format!("no kernel named {name}"))?;
-        // SAFETY: as `launch`; clusters of at most 8 need no attribute on the kernel.
+        // SAFETY: f is a kernel of the loaded module, and every caller passes the arguments its
+        // CUDA declaration takes; with PDL every kernel waits for its predecessor (grid_wait).
+        // Clusters of at most 8 need no attribute on the kernel.
         unsafe {
             if self.twice.iter().any(|k| k == name) {
                 self.launch_function_clustered(f, name, grid, block, shmem, args, self.pdl, cluster)?;
