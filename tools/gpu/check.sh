@@ -54,6 +54,17 @@ SYN=${SYN:-/tmp/cherenkov-flash4}
     if [ "$A" = "$B" ]; then echo "$mode: identical"; else printf '%s: DIFFERENT\ncpu:  %q\ncuda: %q\n' "$mode" "$A" "$B"; fi
   done
   echo
+  echo "## drafting with the MTP head (--draft 1): CUDA against the CPU's drafting and against plain decoding"
+  for mode in "--temperature 0" "--temperature 0.8 --top-k 20 --seed 3"; do
+    A=$($BIN run flash4 "Explain hash collisions." --backend cpu $mode --max-tokens 16 --draft 1 2>/dev/null)
+    P=$($BIN run flash4 "Explain hash collisions." --backend cuda $mode --max-tokens 16 2>/dev/null)
+    for cache in "" "--expert-cache $((40 * REC))"; do
+      B=$($BIN run flash4 "Explain hash collisions." --backend cuda $mode --max-tokens 16 --draft 1 $cache 2>"$OUTDIR/draft.err")
+      grep -h "MTP drafts" "$OUTDIR/draft.err" || true
+      if [ "$A" = "$B" ] && [ "$B" = "$P" ]; then echo "$mode ${cache:-(every expert cached)}: identical"; else printf '%s %s: DIFFERENT\ncpu drafting:  %q\ncuda drafting: %q\ncuda plain:    %q\n' "$mode" "$cache" "$A" "$B" "$P"; fi
+    done
+  done
+  echo
   echo "## the server, CPU vs CUDA (greedy and top-k from device candidates, logprobs, a prefix-cache restore)"
   for backend in cpu cuda; do
     PORT=$((18400 + RANDOM % 1000))
@@ -62,6 +73,12 @@ SYN=${SYN:-/tmp/cherenkov-flash4}
     python3 tools/gpu/server_check.py "http://127.0.0.1:$PORT/v1" >"$OUTDIR/server-$backend.txt" || echo "server check on $backend FAILED (see serve-$backend.log)"
     kill $PID; wait $PID 2>/dev/null || true
   done
+  PORT=$((18400 + RANDOM % 1000))
+  $BIN serve --model flash4 --backend cuda --draft 1 --port $PORT --expert-cache $((40 * REC)) >"$OUTDIR/serve-cuda-draft.log" 2>&1 &
+  PID=$!
+  python3 tools/gpu/server_check.py "http://127.0.0.1:$PORT/v1" >"$OUTDIR/server-cuda-draft.txt" || echo "server check on cuda --draft 1 FAILED (see serve-cuda-draft.log)"
+  kill $PID; wait $PID 2>/dev/null || true
   cat "$OUTDIR/server-cuda.txt"
   if cmp -s "$OUTDIR/server-cpu.txt" "$OUTDIR/server-cuda.txt"; then echo "server: CPU and CUDA identical"; else echo "server: DIFFERENT"; diff "$OUTDIR/server-cpu.txt" "$OUTDIR/server-cuda.txt" || true; fi
+  if cmp -s "$OUTDIR/server-cuda.txt" "$OUTDIR/server-cuda-draft.txt"; then echo "server: CUDA drafting identical to plain"; else echo "server: CUDA drafting DIFFERENT"; diff "$OUTDIR/server-cuda.txt" "$OUTDIR/server-cuda-draft.txt" || true; fi
 } 2>&1 | tee "$OUTDIR/gpu-check.txt"

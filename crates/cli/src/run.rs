@@ -39,7 +39,8 @@ pub struct RunArgs {
     /// Speculative decoding: tokens the checkpoint's MTP head drafts per decode step (0: off; 1 is
     /// the most supported). The trunk checks the draft in the same forward as the token before it
     /// and keeps it where its own sample agrees, so the text is the same as without drafting; the
-    /// summary reports how many drafts were accepted. CPU backend only, for now.
+    /// summary reports how many drafts were accepted. On CUDA the two rows still run as two steps,
+    /// so drafting there gives the same text but no speedup yet.
     #[arg(long, default_value_t = 0, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=cherenkov_engine::generate::MAX_DRAFT as i64))]
     pub draft: u8,
     /// Run the CPU reference beside CUDA on the same tokens and report the largest logit difference

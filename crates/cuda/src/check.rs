@@ -11,6 +11,7 @@ use cherenkov_cpu::linear::Linear;
 use cherenkov_cpu::ops::Rope;
 use cherenkov_cpu::state::{AttentionState, GdnState};
 use cherenkov_cpu::{CpuModel, attention, gdn, hyper, moe, ple};
+use cherenkov_engine::backend::Logits;
 use cherenkov_model::DType;
 use cherenkov_model::dtype::f32_to_bf16;
 use cherenkov_model::quant::{Affine, quantize_matrix};
@@ -1047,5 +1048,49 @@ pub fn run_all(cuda: &CudaModel, cpu: &CpuModel, seed: u64, label: &str) -> Resu
     let mut rng = Rng::new(seed);
     let mut rows = linear_checks(&cuda.gpu, &mut rng)?;
     rows.extend(block_checks(cuda, cpu, &mut rng, label)?);
+    rows.extend(drafting_checks(cuda, cpu, &mut rng, label)?);
+    Ok(rows)
+}
+
+/// Drafting with the MTP head against the CPU backend, where the store has a head: the logits of
+/// a prefill, of the head's drafts, of verifying forwards over a token and its draft, and of what
+/// follows a commit of one row (the draft rolled back) and of both. Each next token is the CPU's
+/// greedy choice, fed to both backends.
+pub fn drafting_checks(cuda: &CudaModel, cpu: &CpuModel, rng: &mut Rng, label: &str) -> Result<Vec<CheckRow>> {
+    let mut rows = Vec::new();
+    if cpu.weights.mtp.is_none() {
+        return Ok(rows);
+    }
+    let vocab = cpu.config().vocab_size;
+    let greedy = |l: &[f32]| cherenkov_engine::backend::top_of(l, 1)[0].0;
+    let (mut a, mut b) = (cpu.new_session(), cuda.new_session()?);
+    cpu.enable_drafting(&mut a)?;
+    cuda.enable_drafting(&mut b)?;
+    let mut push = |name: &str, got: &[f32], want: &[f32]| {
+        rows.push(CheckRow {
+            name: format!("{label}: drafting, {name}"),
+            rel_err: rel_err(got, want),
+            limit: BLOCK_LIMIT,
+        })
+    };
+    let prompt: Vec<u32> = (0..7).map(|_| (rng.next_u64() % vocab as u64) as u32).collect();
+    let want = cpu.forward(&mut a, &prompt, Logits::Last)?;
+    push("prefill of 7 tokens", &cuda.forward_tokens(&mut b, &prompt, Logits::Last)?, &want);
+    let mut next = greedy(&want);
+    for keep in [1, 2] {
+        let want = cpu.draft(&mut a, next)?;
+        push(&format!("MTP draft before a commit of {keep}"), &cuda.draft(&mut b, next)?, &want);
+        let d = greedy(&want);
+        let want = cpu.verify(&mut a, &[next, d])?;
+        push(&format!("verifying forward of 2 rows, then kept {keep}"), &cuda.verify(&mut b, &[next, d])?, &want);
+        cpu.commit(&mut a, keep)?;
+        cuda.commit(&mut b, keep)?;
+        next = greedy(&want[(keep - 1) * vocab..keep * vocab]);
+    }
+    // A plain forward after the commit (the head catches up on its pending row), then a draft.
+    let want = cpu.forward(&mut a, &[next], Logits::Last)?;
+    push("plain forward after committing 2 rows", &cuda.forward_tokens(&mut b, &[next], Logits::Last)?, &want);
+    let next = greedy(&want);
+    push("MTP draft after that forward", &cuda.draft(&mut b, next)?, &cpu.draft(&mut a, next)?);
     Ok(rows)
 }

@@ -36,6 +36,7 @@ pub const KERNELS: &[&str] = &[
     "scale_silu",
     "hc_mix",
     "hc_inject",
+    "add_streams",
     "silu_mul",
     "mul_sigmoid",
     "norm_rope",

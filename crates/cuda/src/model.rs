@@ -47,6 +47,9 @@ use crate::weights::{
     matvec_many_conv,
 };
 
+mod mtp;
+use mtp::uncommitted;
+
 /// Precision tags of address-table entries.
 pub const TAG_Q3: u64 = 1 << 63;
 pub const TAG_Q2: u64 = 1 << 62;
@@ -1053,7 +1056,10 @@ impl CudaModel {
     /// Runs tokens one at a time; logits as for the CPU backend.
     pub fn forward_tokens(&self, s: &mut CudaSession, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {
         let all = which == Logits::All;
-        self.run_steps(s, tokens, |last| if all || last { Want::Logits } else { Want::Nothing })
+        uncommitted(s)?;
+        self.run_steps(s, tokens, |last| if all || last { Want::Logits } else { Want::Nothing }, &mut |m, s, sc, i| {
+            m.mtp_catch_up(s, sc, tokens[i])
+        })
     }
 
     /// Runs `tokens` and returns the `k` largest logits of the last one among ids below `among`, as
@@ -1068,15 +1074,25 @@ impl CudaModel {
     ) -> Result<Vec<(u32, f32)>> {
         let among = among.min(self.config().vocab_size);
         let k = k.clamp(1, 1024).min(among);
-        let out = self.run_steps(s, tokens, |last| if last { Want::Top { k, among } } else { Want::Nothing })?;
+        uncommitted(s)?;
+        let want = |last| if last { Want::Top { k, among } } else { Want::Nothing };
+        let out = self.run_steps(s, tokens, want, &mut |m, s, sc, i| m.mtp_catch_up(s, sc, tokens[i]))?;
         let ids: Vec<u32> = out[..k].iter().map(|x| x.to_bits()).collect();
         // Fewer than k logits above -inf leave ids past the vocabulary (the kernel's "none").
         Ok(ids.into_iter().zip(out[k..].iter().copied()).filter(|&(i, _)| (i as usize) < among).collect())
     }
 
     /// Checks `tokens`, makes room in the session, and runs one step per token; `want(last)` says
-    /// what each step leaves in the output. Records the steps' timing and the forward.
-    fn run_steps(&self, s: &mut CudaSession, tokens: &[u32], want: impl Fn(bool) -> Want) -> Result<Vec<f32>> {
+    /// what each step leaves in the output, and `after(model, session, scratch, i)` runs after the
+    /// step of `tokens[i]` (its residual row still in the scratch). Records the steps' timing and
+    /// the forward.
+    fn run_steps(
+        &self,
+        s: &mut CudaSession,
+        tokens: &[u32],
+        want: impl Fn(bool) -> Want,
+        after: &mut dyn FnMut(&Self, &mut CudaSession, &mut Scratch, usize) -> Result<()>,
+    ) -> Result<Vec<f32>> {
         let c = self.config();
         if tokens.is_empty() {
             bail!("forward needs at least one token");
@@ -1097,6 +1113,7 @@ impl CudaModel {
                 t.steps += 1;
                 t.total_ns += ns;
             });
+            after(self, s, &mut sc, i)?;
         }
         self.pool.record_forward(tokens.len() as u64, call.elapsed().as_nanos() as u64);
         Ok(out)
@@ -3611,6 +3628,26 @@ impl Backend for CudaModel {
 
     fn forward(&self, s: &mut CudaSession, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {
         self.forward_tokens(s, tokens, which)
+    }
+
+    fn enable_drafting(&self, s: &mut CudaSession) -> Result<()> {
+        CudaModel::enable_drafting(self, s)
+    }
+
+    fn drafting(&self, s: &CudaSession) -> bool {
+        CudaModel::drafting(self, s)
+    }
+
+    fn draft(&self, s: &mut CudaSession, next: u32) -> Result<Vec<f32>> {
+        CudaModel::draft(self, s, next)
+    }
+
+    fn verify(&self, s: &mut CudaSession, tokens: &[u32]) -> Result<Vec<f32>> {
+        CudaModel::verify(self, s, tokens)
+    }
+
+    fn commit(&self, s: &mut CudaSession, keep: usize) -> Result<()> {
+        CudaModel::commit(self, s, keep)
     }
 
     fn vocab_size(&self) -> usize {

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use anyhow::Result;
+use anyhow::{Result, bail};
 use cherenkov_model::LayerType;
 use cherenkov_model::config::TextConfig;
 
@@ -34,6 +34,34 @@ pub struct LayerState {
     pub ple_conv: Option<DevBuf>,
 }
 
+/// The MTP head's side of a sequence on the device. As on the CPU, the head sees position p as the
+/// trunk's residual at p paired with the token at p + 1, so it runs one position behind the trunk:
+/// the last trunk row waits in `pending` until its following token is known.
+pub struct MtpSession {
+    /// The head's attention layers' caches (positions `0..pos`).
+    pub layers: Vec<AttentionState>,
+    /// Positions the head has seen.
+    pub pos: usize,
+    /// One trunk residual row `[hc * H]` whose following token is not known yet.
+    pub pending: DevBuf,
+    pub has_pending: bool,
+    /// Where the next trunk row lands while the head runs on `pending`.
+    pub spare: DevBuf,
+}
+
+/// A verifying forward's rows until `commit` keeps some of them.
+pub struct VerifyRecord {
+    pub pos0: usize,
+    pub ngram_context0: Vec<u32>,
+    pub tokens: Vec<u32>,
+    /// Each row's trunk residual `[rows, hc * H]` (for the MTP head at commit).
+    pub hidden: DevBuf,
+    /// The recurrent states after each row but the last (whose states are the live ones): per row,
+    /// every GDN layer's conv and recurrent state and every PLE layer's history, in layer order
+    /// ([`CudaSession::state_bufs`]).
+    pub states: DevBuf,
+}
+
 pub struct CudaSession {
     pub gpu: Arc<Gpu>,
     /// Unique per session (snapshots get their own): captured steps name the buffers they use.
@@ -44,6 +72,12 @@ pub struct CudaSession {
     /// The last `ngram_size - 1` tokens, most recent first (host side: the rows are gathered there).
     pub ngram_context: Vec<u32>,
     pub layers: Vec<LayerState>,
+    /// The MTP head's state (None: drafting is off for this session).
+    pub mtp: Option<MtpSession>,
+    /// The last verifying forward, until it is committed.
+    pub verify: Option<VerifyRecord>,
+    /// A committed verifying forward's buffers (rows, states), kept for the next one.
+    pub verify_bufs: Option<(DevBuf, DevBuf)>,
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -95,63 +129,111 @@ impl CudaSession {
             pos: 0,
             ngram_context: vec![eos; c.ngram_size.saturating_sub(1)],
             layers,
+            mtp: None,
+            verify: None,
+            verify_bufs: None,
         })
     }
 
-    /// Makes every attention layer able to hold `tokens` tokens (doubling, contents kept).
+    /// Turns the MTP head's state on (`layers` head layers; nothing seen yet).
+    pub fn enable_mtp(&mut self, c: &TextConfig, layers: usize) -> Result<()> {
+        let row = c.hc_hidden() * 4;
+        self.mtp = Some(MtpSession {
+            layers: (0..layers).map(|_| attn_bufs(&self.gpu, c, 256)).collect::<Result<_>>()?,
+            pos: 0,
+            pending: self.gpu.zeros(row, "the MTP head's pending row")?,
+            has_pending: false,
+            spare: self.gpu.zeros(row, "the MTP head's pending row")?,
+        });
+        Ok(())
+    }
+
+    /// The recurrent state buffers a verifying forward records after each row, in layer order:
+    /// each GDN layer's conv and recurrent state, each PLE layer's history.
+    pub fn state_bufs(&self) -> Vec<&DevBuf> {
+        let mut v = Vec::new();
+        for l in &self.layers {
+            if let MixerState::Gdn { conv, recurrent } = &l.mixer {
+                v.extend([conv, recurrent]);
+            }
+            v.extend(l.ple_conv.as_ref());
+        }
+        v
+    }
+
+    /// Bytes of one row's record of [`CudaSession::state_bufs`].
+    pub fn state_bytes(&self) -> usize {
+        self.state_bufs().iter().map(|b| b.bytes).sum()
+    }
+
+    /// Copies the recurrent states into (`save`) or out of the record at `at` (queued on the
+    /// compute stream).
+    pub fn copy_states(&self, at: u64, save: bool) -> Result<()> {
+        let mut off = 0u64;
+        for b in self.state_bufs() {
+            if save {
+                self.gpu.dtod(at + off, b.ptr, b.bytes)?;
+            } else {
+                self.gpu.dtod(b.ptr, at + off, b.bytes)?;
+            }
+            off += b.bytes as u64;
+        }
+        Ok(())
+    }
+
+    /// Makes every attention layer (the MTP head's too) able to hold `tokens` tokens (doubling,
+    /// contents kept).
     pub fn reserve(&mut self, c: &TextConfig, tokens: usize) -> Result<()> {
+        let gpu = self.gpu.clone();
+        let mut grown = false;
         for l in &mut self.layers {
-            if let MixerState::Attention(a) = &mut l.mixer
-                && a.cap < tokens
-            {
-                let mut cap = a.cap;
-                while cap < tokens {
-                    cap *= 2;
-                }
-                let mut n = attn_bufs(&self.gpu, c, cap)?;
-                for (dst, src) in
-                    [(&n.k, &a.k), (&n.v, &a.v), (&n.index_keys, &a.index_keys), (&n.index_blocks, &a.index_blocks)]
-                {
-                    self.gpu.dtod(dst.ptr, src.ptr, src.bytes)?;
-                }
-                n.blocks = a.blocks;
-                *a = n;
-                self.generation += 1;
+            if let MixerState::Attention(a) = &mut l.mixer {
+                grown |= grow(&gpu, c, a, tokens)?;
+            }
+        }
+        if grown {
+            // Captured steps name the trunk's buffers; the head's are never captured.
+            self.generation += 1;
+        }
+        if let Some(m) = &mut self.mtp {
+            for a in &mut m.layers {
+                grow(&gpu, c, a, tokens)?;
             }
         }
         self.gpu.sync()
     }
 
-    /// A deep copy on the device (a snapshot of the sequence).
+    /// A deep copy on the device (a snapshot of the sequence, with the MTP head's state).
     pub fn try_clone(&self) -> Result<CudaSession> {
+        if self.verify.is_some() {
+            bail!("the session's verifying forward is not committed yet (commit it before copying the session)");
+        }
         let gpu = &self.gpu;
-        let copy = |b: &DevBuf, what: &str| -> Result<DevBuf> {
-            let n = gpu.alloc(b.bytes, what)?;
-            gpu.dtod(n.ptr, b.ptr, b.bytes)?;
-            Ok(n)
-        };
+        let copy = |b: &DevBuf| copy_buf(gpu, b);
         let mut layers = Vec::new();
         for l in &self.layers {
             let mixer = match &l.mixer {
-                MixerState::Gdn { conv, recurrent } => MixerState::Gdn {
-                    conv: copy(conv, "a session snapshot")?,
-                    recurrent: copy(recurrent, "a session snapshot")?,
-                },
-                MixerState::Attention(a) => MixerState::Attention(AttentionState {
-                    cap: a.cap,
-                    k: copy(&a.k, "a session snapshot")?,
-                    v: copy(&a.v, "a session snapshot")?,
-                    index_keys: copy(&a.index_keys, "a session snapshot")?,
-                    index_blocks: copy(&a.index_blocks, "a session snapshot")?,
-                    blocks: a.blocks,
-                }),
+                MixerState::Gdn { conv, recurrent } => {
+                    MixerState::Gdn { conv: copy(conv)?, recurrent: copy(recurrent)? }
+                }
+                MixerState::Attention(a) => MixerState::Attention(copy_attention(gpu, a)?),
             };
             let ple_conv = match &l.ple_conv {
-                Some(b) => Some(copy(b, "a session snapshot")?),
+                Some(b) => Some(copy(b)?),
                 None => None,
             };
             layers.push(LayerState { mixer, ple_conv });
         }
+        let mtp = match &self.mtp {
+            Some(m) => Some(MtpSession {
+                layers: m.layers.iter().map(|a| copy_attention(gpu, a)).collect::<Result<_>>()?,
+                pos: m.pos,
+                pending: copy(&m.pending)?,
+                has_pending: m.has_pending,
+                spare: copy(&m.spare)?,
+            }),
+            None => None,
+        };
         gpu.sync()?;
         Ok(CudaSession {
             gpu: gpu.clone(),
@@ -160,20 +242,72 @@ impl CudaSession {
             pos: self.pos,
             ngram_context: self.ngram_context.clone(),
             layers,
+            mtp,
+            verify: None,
+            verify_bufs: None,
         })
     }
 
     /// Device bytes held by this session.
     pub fn bytes(&self) -> usize {
-        self.layers
+        let trunk: usize = self
+            .layers
             .iter()
             .map(|l| {
                 let m = match &l.mixer {
                     MixerState::Gdn { conv, recurrent } => conv.bytes + recurrent.bytes,
-                    MixerState::Attention(a) => a.k.bytes + a.v.bytes + a.index_keys.bytes + a.index_blocks.bytes,
+                    MixerState::Attention(a) => a.bytes(),
                 };
                 m + l.ple_conv.as_ref().map_or(0, |b| b.bytes)
             })
-            .sum()
+            .sum();
+        let head = self
+            .mtp
+            .as_ref()
+            .map_or(0, |m| m.layers.iter().map(AttentionState::bytes).sum::<usize>() + m.pending.bytes + m.spare.bytes);
+        let verify = self.verify.as_ref().map_or(0, |v| v.hidden.bytes + v.states.bytes)
+            + self.verify_bufs.as_ref().map_or(0, |(h, s)| h.bytes + s.bytes);
+        trunk + head + verify
     }
+}
+
+impl AttentionState {
+    pub fn bytes(&self) -> usize {
+        self.k.bytes + self.v.bytes + self.index_keys.bytes + self.index_blocks.bytes
+    }
+}
+
+fn copy_buf(gpu: &Gpu, b: &DevBuf) -> Result<DevBuf> {
+    let n = gpu.alloc(b.bytes, "a session snapshot")?;
+    gpu.dtod(n.ptr, b.ptr, b.bytes)?;
+    Ok(n)
+}
+
+fn copy_attention(gpu: &Gpu, a: &AttentionState) -> Result<AttentionState> {
+    Ok(AttentionState {
+        cap: a.cap,
+        k: copy_buf(gpu, &a.k)?,
+        v: copy_buf(gpu, &a.v)?,
+        index_keys: copy_buf(gpu, &a.index_keys)?,
+        index_blocks: copy_buf(gpu, &a.index_blocks)?,
+        blocks: a.blocks,
+    })
+}
+
+/// Doubles `a` until it holds `tokens` tokens, contents kept; whether it grew.
+fn grow(gpu: &Gpu, c: &TextConfig, a: &mut AttentionState, tokens: usize) -> Result<bool> {
+    if a.cap >= tokens {
+        return Ok(false);
+    }
+    let mut cap = a.cap;
+    while cap < tokens {
+        cap *= 2;
+    }
+    let mut n = attn_bufs(gpu, c, cap)?;
+    for (dst, src) in [(&n.k, &a.k), (&n.v, &a.v), (&n.index_keys, &a.index_keys), (&n.index_blocks, &a.index_blocks)] {
+        gpu.dtod(dst.ptr, src.ptr, src.bytes)?;
+    }
+    n.blocks = a.blocks;
+    *a = n;
+    Ok(true)
 }

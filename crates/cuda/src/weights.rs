@@ -1394,6 +1394,26 @@ pub struct DeviceWeights {
     pub layers: Vec<Layer>,
     pub hyper_connection_mixer: HyperConnection,
     pub lm_head: DevLinear,
+    /// The MTP head (`mtp.*`), where the checkpoint has one.
+    pub mtp: Option<Mtp>,
+}
+
+/// The MTP head on the device: the CPU's `MtpWeights`, bound to the same dense upload.
+pub struct Mtp {
+    pub fc_embedding: DevLinear,
+    pub fc_hidden: DevLinear,
+    pub pre_fc_norm_embedding: DevBuf,
+    pub pre_fc_norm_hidden: DevBuf,
+    pub hyper_connection_mixer: HyperConnection,
+    pub layers: Vec<MtpLayer>,
+}
+
+/// One layer of the MTP head: QSA attention and MoE with their hyper-connections (no PLE).
+pub struct MtpLayer {
+    pub attn_hc: HyperConnection,
+    pub attention: Attention,
+    pub mlp_hc: HyperConnection,
+    pub moe: Moe,
 }
 
 struct Binder<'a> {
@@ -1502,7 +1522,30 @@ impl DeviceWeights {
             };
             layers.push(Layer { ple, attn_hc: b.hc(&l.attn_hc)?, mixer, mlp_hc: b.hc(&l.mlp_hc)?, moe: b.moe(&l.moe) });
         }
+        let mtp = match &w.mtp {
+            Some(m) => Some(Mtp {
+                fc_embedding: b.lin(&m.fc_embedding),
+                fc_hidden: b.lin(&m.fc_hidden),
+                pre_fc_norm_embedding: b.vec(&m.pre_fc_norm_embedding, "MTP pre_fc_norm_embedding")?,
+                pre_fc_norm_hidden: b.vec(&m.pre_fc_norm_hidden, "MTP pre_fc_norm_hidden")?,
+                hyper_connection_mixer: b.hc(&m.hyper_connection_mixer)?,
+                layers: m
+                    .layers
+                    .iter()
+                    .map(|l| {
+                        Ok(MtpLayer {
+                            attn_hc: b.hc(&l.attn_hc)?,
+                            attention: b.attention(&l.attention)?,
+                            mlp_hc: b.hc(&l.mlp_hc)?,
+                            moe: b.moe(&l.moe),
+                        })
+                    })
+                    .collect::<Result<_>>()?,
+            }),
+            None => None,
+        };
         Ok(DeviceWeights {
+            mtp,
             embed_tokens: b.lin(&w.embed_tokens),
             hyper_connection_mixer: b.hc(&w.hyper_connection_mixer)?,
             lm_head: b.lin(&w.lm_head),

@@ -54,6 +54,16 @@ extern "C" __global__ void hc_inject(float* x, const float* inj, const float* ou
     x[i] += 2.0f * sigmoidf_(inj[s] / (float)hc) * out[j];
 }
 
+// The MTP head's stem: x[s*H+j] += e[j] for every stream s (the embedding branch added to each
+// stream's fc_hidden output).
+extern "C" __global__ void add_streams(float* x, const float* e, int hc, int H) {
+    KSPAN;
+    grid_enter();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= hc * H) return;
+    x[i] += e[i % H];
+}
+
 // y = silu(gate) * up, in place into gate.
 extern "C" __global__ void silu_mul(float* gate, const float* up, int n) {
     KSPAN;

@@ -1,0 +1,228 @@
+//! Drafting on the device: the MTP head's forward, and the verifying forward whose rows `commit`
+//! keeps or rolls back. The CPU backend's `CpuModel::{enable_drafting, draft, verify, commit}` is
+//! the reference for each (`gpu-check` compares them row by row).
+//!
+//! The head runs one position behind the trunk, as on the CPU: after each trunk step its residual
+//! row (the scratch's `x`, before the final mixer) waits in the session's `pending` row until the
+//! following token is known; then the head runs on the pair and appends to its own KV cache.
+//!
+//! The verifying forward runs its rows as ordinary steps, one after another, and after every row
+//! but the last copies the recurrent states (each GDN layer's conv and recurrent state, each PLE
+//! layer's history) into a record, so that a commit of fewer rows restores them. Attention needs
+//! no record: its caches are cut by moving the position back. So a verifying pass costs what its
+//! rows cost as plain steps, plus the copies; the pass over both rows in one launch per kernel is
+//! not built yet.
+
+use anyhow::{Context, Result, bail};
+
+use super::{CudaModel, MoeStep, Scratch, Want};
+use crate::gpu::{Arg, DevBuf, blocks};
+use crate::session::{CudaSession, MtpSession, VerifyRecord};
+use crate::weights::MatvecOutput;
+
+/// Refuses a plain forward while a verifying forward waits for its commit.
+pub(super) fn uncommitted(s: &CudaSession) -> Result<()> {
+    if s.verify.is_some() {
+        bail!("the session's verifying forward is not committed yet (commit it before the next forward)");
+    }
+    Ok(())
+}
+
+impl CudaModel {
+    /// Turns drafting on for a fresh session.
+    pub fn enable_drafting(&self, s: &mut CudaSession) -> Result<()> {
+        let Some(mtp) = &self.weights.mtp else {
+            bail!("the model in {} has no MTP head, so it cannot draft tokens", self.store.dir.display());
+        };
+        if s.pos != 0 {
+            bail!("drafting must start with the sequence (this session already holds {} tokens)", s.pos);
+        }
+        let c = self.config();
+        if self.depth < c.num_hidden_layers {
+            bail!("drafting needs every decoder layer (this model runs {} of {})", self.depth, c.num_hidden_layers);
+        }
+        if self.skew.is_some() {
+            bail!(
+                "drafting does not run with the benchmark's synthetic routers (the head's router would be skewed too)"
+            );
+        }
+        s.enable_mtp(c, mtp.layers.len())
+    }
+
+    pub fn drafting(&self, s: &CudaSession) -> bool {
+        s.mtp.is_some()
+    }
+
+    /// The MTP head's logits for the token after `next` (which follows the session's history).
+    pub fn draft(&self, s: &mut CudaSession, next: u32) -> Result<Vec<f32>> {
+        let c = self.config();
+        if next as usize >= c.vocab_size {
+            bail!("token id {next} is outside the vocabulary (vocab_size {})", c.vocab_size);
+        }
+        if s.verify.is_some() {
+            bail!("the session's verifying forward is not committed yet (commit it before drafting)");
+        }
+        let Some(m) = s.mtp.as_ref() else { bail!("drafting is off for this session") };
+        if !m.has_pending {
+            bail!("nothing to draft from: no forward has run in this session yet");
+        }
+        let tokens = m.pos + 1;
+        s.reserve(c, tokens)?;
+        let m = s.mtp.as_mut().expect("checked above");
+        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        self.gpu.bind()?;
+        let row = m.pending.ptr;
+        let logits = self.mtp_step(&mut sc, m, row, next, true)?;
+        m.has_pending = false;
+        Ok(logits)
+    }
+
+    /// Like a forward with every row's logits, keeping each row's recurrent states so that
+    /// [`CudaModel::commit`] can keep only the first rows (the drafted tokens it accepts).
+    pub fn verify(&self, s: &mut CudaSession, tokens: &[u32]) -> Result<Vec<f32>> {
+        uncommitted(s)?;
+        let (pos0, ngram_context0) = (s.pos, s.ngram_context.clone());
+        let row = self.config().hc_hidden() * 4;
+        let state = s.state_bytes();
+        let rows = tokens.len();
+        // The last verify's buffers where they are large enough (a record is tens of MB).
+        let (hidden, states) = match s.verify_bufs.take() {
+            Some((h, st)) if h.bytes >= rows * row && st.bytes >= rows.saturating_sub(1) * state => (h, st),
+            _ => (
+                self.gpu.alloc(rows * row, "a verifying forward's rows")?,
+                self.gpu.alloc((rows.saturating_sub(1) * state).max(1), "a verifying forward's recurrent states")?,
+            ),
+        };
+        let (h, st) = (hidden.ptr, states.ptr);
+        let logits = self.run_steps(s, tokens, |_| Want::Logits, &mut |_, s, sc, i| {
+            self.gpu.dtod(h + (i * row) as u64, sc.x.ptr, row)?;
+            if i + 1 < rows {
+                s.copy_states(st + (i * state) as u64, true)?;
+            }
+            Ok(())
+        });
+        let logits = match logits {
+            Ok(l) => l,
+            Err(e) => {
+                s.verify_bufs = Some((hidden, states));
+                return Err(e);
+            }
+        };
+        self.gpu.sync()?;
+        s.verify = Some(VerifyRecord { pos0, ngram_context0, tokens: tokens.to_vec(), hidden, states });
+        Ok(logits)
+    }
+
+    /// Keeps the first `keep` rows of the last [`CudaModel::verify`].
+    pub fn commit(&self, s: &mut CudaSession, keep: usize) -> Result<()> {
+        let Some(v) = s.verify.take() else { bail!("there is no verifying forward to commit") };
+        let n = v.tokens.len();
+        if keep == 0 || keep > n {
+            s.verify = Some(v);
+            bail!("commit keeps 1 to {n} rows of the verifying forward, not {keep}");
+        }
+        let c = self.config();
+        let row = c.hc_hidden() * 4;
+        self.gpu.bind()?;
+        if keep < n {
+            s.copy_states(v.states.ptr + ((keep - 1) * s.state_bytes()) as u64, false)?;
+        }
+        s.pos = v.pos0 + keep;
+        s.ngram_context = v.ngram_context0.clone();
+        for &t in &v.tokens[..keep] {
+            s.ngram_context.insert(0, t);
+            s.ngram_context.truncate(c.ngram_size.saturating_sub(1));
+        }
+        if let Some(m) = s.mtp.as_mut() {
+            let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+            for (j, &tok) in v.tokens[..keep].iter().enumerate() {
+                if m.has_pending {
+                    let pending = m.pending.ptr;
+                    self.mtp_step(&mut sc, m, pending, tok, false).context("MTP head")?;
+                }
+                self.gpu.dtod(m.pending.ptr, v.hidden.ptr + (j * row) as u64, row)?;
+                m.has_pending = true;
+            }
+        }
+        self.gpu.sync()?;
+        s.verify_bufs = Some((v.hidden, v.states));
+        Ok(())
+    }
+
+    /// After a plain step of `tok`: the head runs on the pending row and `tok`, and the step's
+    /// residual row becomes the pending one (nothing where drafting is off).
+    pub(super) fn mtp_catch_up(&self, s: &mut CudaSession, sc: &mut Scratch, tok: u32) -> Result<()> {
+        let row = self.config().hc_hidden() * 4;
+        let Some(m) = s.mtp.as_mut() else { return Ok(()) };
+        if !m.has_pending {
+            self.gpu.dtod(m.pending.ptr, sc.x.ptr, row)?;
+            m.has_pending = true;
+            return Ok(());
+        }
+        // The head overwrites the scratch's residual: the step's row goes aside first.
+        self.gpu.dtod(m.spare.ptr, sc.x.ptr, row)?;
+        let pending = m.pending.ptr;
+        self.mtp_step(sc, m, pending, tok, false).context("MTP head")?;
+        std::mem::swap(&mut m.pending, &mut m.spare);
+        Ok(())
+    }
+
+    /// One position of the MTP head's layer 0 (the one the CPU runs): trunk residual row `row`
+    /// (`[hc * H]` on the device) with the token that follows it, at the head's position. Appends
+    /// to the head's caches; returns the logits where `logits` (else nothing).
+    fn mtp_step(&self, sc: &mut Scratch, m: &mut MtpSession, row: u64, tok: u32, logits: bool) -> Result<Vec<f32>> {
+        let c = self.config();
+        let g = &*self.gpu;
+        let w = self.weights.mtp.as_ref().context("the model has no MTP head")?;
+        let layer = w.layers.first().context("the MTP head has no layers")?;
+        let (h, hc, width) = (c.hidden_size, c.hc_count, c.hc_hidden());
+        self.decide_residency(sc)?;
+        let mut st = MoeStep::new();
+        // The head's blocks stay out of the trunk's step timing.
+        st.untimed = true;
+        self.set_step_inputs(sc, tok, m.pos)?;
+        self.upload_step_inputs(sc)?;
+        // The stem: e = fc_embedding(norm_e(embed(tok))); x_s = fc_hidden(norm_h(row)_s) + e.
+        let stem: [&DevBuf; 4] = [&sc.big[0], &sc.big[1], &sc.big[2], &sc.big[3]];
+        let [e, en, fe, hn] = stem.map(|b| b.ptr);
+        self.weights.embed_tokens.embed(g, sc.step_in.ptr, e, 1)?;
+        self.rmsnorm(e, w.pre_fc_norm_embedding.ptr, en, 1, h, h)?;
+        w.fc_embedding.matvec(g, en, fe)?;
+        self.rmsnorm(row, w.pre_fc_norm_hidden.ptr, hn, 1, width, width)?;
+        for s in 0..hc {
+            let at = (s * h * 4) as u64;
+            w.fc_hidden.matvec(g, hn + at, sc.x.ptr + at)?;
+        }
+        g.launch(
+            "add_streams",
+            (blocks(width, 256), 1, 1),
+            256,
+            0,
+            &[Arg::Ptr(sc.x.ptr), Arg::Ptr(fe), Arg::I32(hc as i32), Arg::I32(h as i32)],
+        )?;
+        // The layer: attention and MoE, each read and injected through its hyper-connection.
+        self.hc_read(sc, &layer.attn_hc)?;
+        let out = MatvecOutput::Inject { x: sc.x.ptr, inj: sc.inj.ptr, hc, scratch: sc.out.ptr };
+        self.attention(sc, &layer.attention, &mut m.layers[0], m.pos, out)?;
+        self.hc_read(sc, &layer.mlp_hc)?;
+        st.inject = true;
+        self.moe(sc, &layer.moe, None, &mut st)?;
+        if logits {
+            self.hc_read(sc, &w.hyper_connection_mixer)?;
+            self.weights.lm_head.matvec(g, sc.inp.ptr, sc.logits.ptr)?;
+        }
+        if sc.moe.map.is_some() {
+            // The block's routing, for the host's accounting after the step.
+            let bytes = sc.moe.ids.bytes.min(sc.moe.ids_host.bytes);
+            g.download(&sc.moe.ids_host, 0, sc.moe.ids.ptr, bytes)?;
+        }
+        let mut out = Vec::new();
+        if logits {
+            out = vec![0f32; c.vocab_size];
+            g.dtoh(sc.logits.ptr, &mut out)?;
+        }
+        self.finish_step(sc, st)?;
+        m.pos += 1;
+        Ok(out)
+    }
+}
