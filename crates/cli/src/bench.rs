@@ -24,6 +24,7 @@ use cherenkov_cuda::CudaModel;
 use cherenkov_cuda::gpu::{Gpu, measure_bandwidth};
 use cherenkov_cuda::pinned::PinnedExperts;
 use cherenkov_cuda::slots::DeviceSlots;
+use cherenkov_engine::backend::top_of;
 use cherenkov_engine::policy::{Policy, simulate_from};
 use cherenkov_engine::residency::{ExpertPool, format_bytes, parse_size};
 use cherenkov_engine::routing::{Skew, SkewedRouting};
@@ -112,6 +113,20 @@ pub struct BenchArgs {
     /// lookahead); no policy study and no peer. Writes bench-<date>-quick.md.
     #[arg(long)]
     pub quick: bool,
+    /// Adds a case drafting with the MTP head, every expert resident, at the store's full depth:
+    /// each decode step drafts a token, verifies it with the sampled one, and keeps the draft with
+    /// this probability (declared, drawn at random: the random weights' head never drafts the
+    /// trunk's token). It times the drafting machinery at that acceptance, not a real head's
+    /// acceptance; the report names the rate.
+    #[arg(long, value_name = "P", value_parser = acceptance)]
+    pub draft_accept: Option<f64>,
+}
+
+fn acceptance(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(p) if (0.0..=1.0).contains(&p) => Ok(p),
+        _ => Err(format!("an acceptance rate from 0 to 1, not {s:?}")),
+    }
 }
 
 /// What one case runs: expert slots, the page cache dropped first, graphs, the deadline cut, the
@@ -128,6 +143,8 @@ struct Spec {
     cpu: Option<usize>,
     /// Read the MoE blocks' events after each step (their anatomy; costs host time between steps).
     anatomy: bool,
+    /// Draft with the MTP head, keeping each draft with this declared probability.
+    draft: Option<f64>,
 }
 
 /// What one case measured.
@@ -171,6 +188,31 @@ struct Case {
 }
 
 /// Today's date (UTC) as the results' file names carry it.
+/// The drafting case's acceptance draws: a small seeded generator of uniforms in [0, 1).
+struct Draws(u64);
+
+impl Draws {
+    fn next(&mut self) -> f64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        (z ^ (z >> 31)) as f64 / 2f64.powi(64)
+    }
+}
+
+/// The drafting case against the plain resident case at the same depth.
+fn drafting_report(k: &Case, plain: &Case) -> String {
+    format!(
+        "\n{}: {:.1} tok/s at {} layers against {:.1} without drafting ({:.2}x). The kept drafts are drawn at the declared rate, not judged by the head (random weights never draft the trunk's token): this times the drafting machinery, a draft and a verifying forward of two rows a step, at that acceptance.\n",
+        k.name,
+        k.tok_s,
+        k.depth,
+        plain.tok_s,
+        k.tok_s / plain.tok_s
+    )
+}
+
 fn today() -> String {
     std::process::Command::new("date")
         .args(["-u", "+%Y-%m-%d"])
@@ -502,7 +544,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     let file_bw = std::cell::Cell::new(0.0f64);
     let link = || link_rate(bw.host_to_device, file_bw.get());
     let run_case = |name: &str, spec: Spec| -> Result<Case> {
-        let Spec { slots, cold, graphs, cut, lookahead, pin, depth, cpu, anatomy } = spec;
+        let Spec { slots, cold, graphs, cut, lookahead, pin, depth, cpu, anatomy, draft } = spec;
         if cold {
             drop_page_cache(&experts_file)?;
         }
@@ -529,6 +571,9 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             model.set_cpu_experts(threads, &|_| {})?;
         }
         let mut s = model.new_session()?;
+        if draft.is_some() {
+            model.enable_drafting(&mut s)?;
+        }
         // The trace starts with the prompt, so the policy replays fill their caches as the pool
         // filled its own; only the timed steps are counted.
         pool.record_trace(true);
@@ -548,16 +593,32 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         let warm_trace = pool.take_trace();
         model.reset_timing();
         let t0 = std::time::Instant::now();
-        for _ in 0..args.tokens {
+        let mut produced = 0;
+        let mut accept = Draws(0x5eed);
+        while produced < args.tokens {
             let t = sampler.sample_candidates(&cands)?;
-            cands = model.forward_candidates(&mut s, &[t], k, among)?;
+            let Some(p) = draft else {
+                cands = model.forward_candidates(&mut s, &[t], k, among)?;
+                produced += 1;
+                continue;
+            };
+            // Draft, verify both rows, keep the draft at the declared rate; the kept row's logits
+            // give the next candidates (on the host: the verifying forward returns every logit).
+            let drafted = model.draft(&mut s, t)?;
+            let d = top_of(&drafted[..among], 1)[0].0;
+            let rows = model.verify(&mut s, &[t, d])?;
+            let keep = if accept.next() < p { 2 } else { 1 };
+            model.commit(&mut s, keep)?;
+            let v = c.vocab_size;
+            cands = top_of(&rows[(keep - 1) * v..(keep - 1) * v + among], k);
+            produced += keep;
         }
         let secs = t0.elapsed().as_secs_f64();
         // Copies still running in the background (prefetches no step read) are timed too.
         memory.sync_copies()?;
         let st = pool.stats();
         let tm = model.timing();
-        let n = args.tokens as f64;
+        let n = produced as f64;
         Ok(Case {
             name: name.to_string(),
             depth,
@@ -599,6 +660,14 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         // `CHERENKOV_BENCH_NO_ANATOMY` (a measurement knob): then its cases run as the full
         // bench's do, with the kernels' clock stamps alone.
         anatomy: args.quick && std::env::var_os("CHERENKOV_BENCH_NO_ANATOMY").is_none(),
+        draft: None,
+    };
+    // The drafting case: resident, full depth, its steps' timing kept out of the anatomy.
+    let drafting = |p: f64| -> Result<Case> {
+        run_case(
+            &format!("all experts resident, drafting with the MTP head (acceptance {p} declared)"),
+            Spec { draft: Some(p), anatomy: false, ..resident },
+        )
     };
     let pinned = Spec { slots: streamed_slots, pin: true, ..resident };
     let g = &args.gpu_memory;
@@ -677,6 +746,9 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         }
         if let Some(p) = per_token_ms {
             md.push_str(&format!("\nPer-token part {p:.3} ms.\n"));
+        }
+        if let (Some(p), Some(plain)) = (args.draft_accept, cases.first().filter(|_| !pinned_only)) {
+            md.push_str(&drafting_report(&drafting(p)?, plain));
         }
         md.push_str(&anatomy_table(&cases));
         md.push_str(&flagged_turn_table(&cases));
@@ -937,6 +1009,14 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         md.push_str(text);
     }
     let peer = peer.map(|(_, v)| v);
+    let drafted = match args.draft_accept {
+        Some(p) => {
+            let k = drafting(p)?;
+            md.push_str(&drafting_report(&k, &cases[0]));
+            Some(json!({"acceptance_declared": p, "tok_s": k.tok_s, "plain_tok_s": cases[0].tok_s, "depth": k.depth}))
+        }
+        None => None,
+    };
     std::fs::create_dir_all(&args.out)?;
     let stem = args.out.join(format!("bench-{date}"));
     std::fs::write(stem.with_extension("md"), &md)?;
@@ -951,7 +1031,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     let j = json!({"date": date, "gpu": gpu.info.name, "device_bw": bw.device, "h2d_bw": bw.host_to_device, "h2d_bw_expert_file": file_bw.get(), "h2d_bw_bound": link(), "layers": c.num_hidden_layers,
                    "experts": c.num_experts, "skew": skew, "roofline_tok_s": roofline, "roofline_48_layers_tok_s": roofline_full, "per_token_ms": per_token_ms, "cases": cases_json,
                    "resident_runs_tok_s": {"layers": layers, "full": full_rates, "half": half_rates},
-                   "policies": policies.iter().map(|(n, h)| json!({"policy": n, "hit_rate": h})).collect::<Vec<_>>(), "policy_uncounted_steps": cases[2].warm_steps, "peer": peer});
+                   "policies": policies.iter().map(|(n, h)| json!({"policy": n, "hit_rate": h})).collect::<Vec<_>>(), "policy_uncounted_steps": cases[2].warm_steps, "peer": peer, "drafting": drafted});
     std::fs::write(stem.with_extension("json"), serde_json::to_vec_pretty(&j)?)?;
     writeln!(out, "{md}")?;
     writeln!(out, "wrote {} and .json", stem.with_extension("md").display())?;
@@ -1028,6 +1108,18 @@ mod tests {
         let words = link_rates(53.6e9, 55.2e9);
         assert!(words.contains("53.6 GB/s from a pinned buffer and 55.2 from the pinned expert file"), "{words}");
         assert_eq!(link_rates(53.6e9, 0.0), "pinned host-to-device 53.6 GB/s (measured)");
+    }
+
+    #[test]
+    fn the_declared_acceptance_is_a_rate_and_its_draws_keep_it() {
+        assert_eq!(acceptance("0.8"), Ok(0.8));
+        assert_eq!(acceptance("1"), Ok(1.0));
+        assert!(acceptance("1.5").is_err() && acceptance("-0.1").is_err() && acceptance("most").is_err());
+        let mut d = Draws(0x5eed);
+        let draws: Vec<f64> = (0..20_000).map(|_| d.next()).collect();
+        assert!(draws.iter().all(|u| (0.0..1.0).contains(u)));
+        let kept = draws.iter().filter(|&&u| u < 0.8).count() as f64 / draws.len() as f64;
+        assert!((kept - 0.8).abs() < 0.01, "{kept}");
     }
 
     #[test]

@@ -662,6 +662,8 @@ pub struct CudaModel {
     pub anatomy: bool,
     /// Captured steps and what each was captured for (the most recently used last).
     graph: Mutex<Vec<(GraphKey, Graph)>>,
+    /// The MTP head's steps replayed from graphs (every expert resident, below the QSA budget).
+    mtp_graphs: Mutex<Vec<(mtp::MtpGraphKey, Graph)>>,
     predicted: Mutex<Vec<Option<Vec<usize>>>>,
     /// Accumulated decode timing (reset with [`CudaModel::reset_timing`]).
     timing: Mutex<StepTiming>,
@@ -1002,6 +1004,7 @@ impl CudaModel {
             depth: c.num_hidden_layers,
             anatomy: false,
             graph: Mutex::new(Vec::new()),
+            mtp_graphs: Mutex::new(Vec::new()),
             predicted,
             timing: Mutex::new(StepTiming::default()),
             weights,

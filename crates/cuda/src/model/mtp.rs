@@ -41,11 +41,6 @@ impl CudaModel {
         if self.depth < c.num_hidden_layers {
             bail!("drafting needs every decoder layer (this model runs {} of {})", self.depth, c.num_hidden_layers);
         }
-        if self.skew.is_some() {
-            bail!(
-                "drafting does not run with the benchmark's synthetic routers (the head's router would be skewed too)"
-            );
-        }
         s.enable_mtp(c, mtp.layers.len())
     }
 
@@ -169,18 +164,63 @@ impl CudaModel {
 
     /// One position of the MTP head's layer 0 (the one the CPU runs): trunk residual row `row`
     /// (`[hc * H]` on the device) with the token that follows it, at the head's position. Appends
-    /// to the head's caches; returns the logits where `logits` (else nothing).
+    /// to the head's caches; returns the logits where `logits` (else nothing). With every expert
+    /// resident and attention below the QSA budget, the step is replayed from a graph.
     fn mtp_step(&self, sc: &mut Scratch, m: &mut MtpSession, row: u64, tok: u32, logits: bool) -> Result<Vec<f32>> {
         let c = self.config();
         let g = &*self.gpu;
         let w = self.weights.mtp.as_ref().context("the model has no MTP head")?;
         let layer = w.layers.first().context("the MTP head has no layers")?;
-        let (h, hc, width) = (c.hidden_size, c.hc_count, c.hc_hidden());
         self.decide_residency(sc)?;
         let mut st = MoeStep::new();
         // The head's blocks stay out of the trunk's step timing.
         st.untimed = true;
         self.set_step_inputs(sc, tok, m.pos)?;
+        // The benchmark's synthetic routers skew the head's router as the trunk's.
+        self.write_bias(sc, layer.moe.expert_slot, 0)?;
+        let dense_attention = c.qsa.as_ref().is_none_or(|q| (m.pos + 1) / q.compress_ratio <= q.block_topk());
+        if self.graphs && sc.moe.map.is_some() && dense_attention {
+            let a = &m.layers[0];
+            let key = MtpGraphKey { cache: a.k.ptr, cap: a.cap, row, logits };
+            let mut graphs = self.mtp_graphs.lock().unwrap_or_else(|e| e.into_inner());
+            let graph = super::cached_graph(&mut graphs, key, || {
+                let mut throwaway = MoeStep::new();
+                throwaway.untimed = true;
+                self.gpu.capture(|| self.queue_mtp(sc, m, row, logits, &mut throwaway))
+            })?;
+            g.replay(graph)?;
+            st.routed.push(layer.moe.expert_slot);
+            // The QSA block count the captured kernels advance on the device.
+            if let Some(q) = &c.qsa {
+                m.layers[0].blocks = (m.pos + 1) / q.compress_ratio;
+            }
+        } else {
+            self.queue_mtp(sc, m, row, logits, &mut st)?;
+        }
+        let mut out = Vec::new();
+        if logits {
+            out = vec![0f32; c.vocab_size];
+            g.dtoh(sc.logits.ptr, &mut out)?;
+        }
+        self.finish_step(sc, st)?;
+        m.pos += 1;
+        Ok(out)
+    }
+
+    /// Queues [`CudaModel::mtp_step`]'s device work (its host inputs already written).
+    fn queue_mtp<'p>(
+        &'p self,
+        sc: &mut Scratch,
+        m: &mut MtpSession,
+        row: u64,
+        logits: bool,
+        st: &mut MoeStep<'p>,
+    ) -> Result<()> {
+        let c = self.config();
+        let g = &*self.gpu;
+        let w = self.weights.mtp.as_ref().context("the model has no MTP head")?;
+        let layer = w.layers.first().context("the MTP head has no layers")?;
+        let (h, hc, width) = (c.hidden_size, c.hc_count, c.hc_hidden());
         self.upload_step_inputs(sc)?;
         // The stem: e = fc_embedding(norm_e(embed(tok))); x_s = fc_hidden(norm_h(row)_s) + e.
         let stem: [&DevBuf; 4] = [&sc.big[0], &sc.big[1], &sc.big[2], &sc.big[3]];
@@ -206,7 +246,7 @@ impl CudaModel {
         self.attention(sc, &layer.attention, &mut m.layers[0], m.pos, out)?;
         self.hc_read(sc, &layer.mlp_hc)?;
         st.inject = true;
-        self.moe(sc, &layer.moe, None, &mut st)?;
+        self.moe(sc, &layer.moe, None, st)?;
         if logits {
             self.hc_read(sc, &w.hyper_connection_mixer)?;
             self.weights.lm_head.matvec(g, sc.inp.ptr, sc.logits.ptr)?;
@@ -216,13 +256,16 @@ impl CudaModel {
             let bytes = sc.moe.ids.bytes.min(sc.moe.ids_host.bytes);
             g.download(&sc.moe.ids_host, 0, sc.moe.ids.ptr, bytes)?;
         }
-        let mut out = Vec::new();
-        if logits {
-            out = vec![0f32; c.vocab_size];
-            g.dtoh(sc.logits.ptr, &mut out)?;
-        }
-        self.finish_step(sc, st)?;
-        m.pos += 1;
-        Ok(out)
+        Ok(())
     }
+}
+
+/// What a captured MTP head step depends on: the head's KV cache (its address and size), the
+/// trunk row it reads, and whether it ends with logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct MtpGraphKey {
+    cache: u64,
+    cap: usize,
+    row: u64,
+    logits: bool,
 }
