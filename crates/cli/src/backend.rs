@@ -124,6 +124,22 @@ impl Backend for AnyModel {
         }
     }
 
+    fn draft_top(&self, s: &mut AnySession, next: u32, k: usize, among: usize) -> Result<Vec<(u32, f32)>> {
+        match (self, s) {
+            (AnyModel::Cpu(m), AnySession::Cpu(s)) => m.draft_top(s, next, k, among),
+            (AnyModel::Cuda(m), AnySession::Cuda(s)) => m.draft_candidates(s, next, k, among),
+            _ => anyhow::bail!("a session of one backend was given to another"),
+        }
+    }
+
+    fn verify_top(&self, s: &mut AnySession, tokens: &[u32], k: usize, among: usize) -> Result<Vec<Vec<(u32, f32)>>> {
+        match (self, s) {
+            (AnyModel::Cpu(m), AnySession::Cpu(s)) => m.verify_top(s, tokens, k, among),
+            (AnyModel::Cuda(m), AnySession::Cuda(s)) => m.verify_candidates(s, tokens, k, among),
+            _ => anyhow::bail!("a session of one backend was given to another"),
+        }
+    }
+
     fn vocab_size(&self) -> usize {
         match self {
             AnyModel::Cpu(m) => m.config().vocab_size,

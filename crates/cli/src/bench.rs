@@ -24,7 +24,6 @@ use cherenkov_cuda::CudaModel;
 use cherenkov_cuda::gpu::{Gpu, measure_bandwidth};
 use cherenkov_cuda::pinned::PinnedExperts;
 use cherenkov_cuda::slots::DeviceSlots;
-use cherenkov_engine::backend::top_of;
 use cherenkov_engine::policy::{Policy, simulate_from};
 use cherenkov_engine::residency::{ExpertPool, format_bytes, parse_size};
 use cherenkov_engine::routing::{Skew, SkewedRouting};
@@ -602,15 +601,13 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
                 produced += 1;
                 continue;
             };
-            // Draft, verify both rows, keep the draft at the declared rate; the kept row's logits
-            // give the next candidates (on the host: the verifying forward returns every logit).
-            let drafted = model.draft(&mut s, t)?;
-            let d = top_of(&drafted[..among], 1)[0].0;
-            let rows = model.verify(&mut s, &[t, d])?;
+            // Draft, verify both rows, keep the draft at the declared rate; the kept row gives the
+            // next candidates (every choice on the device, as `run` and `serve` make it).
+            let d = model.draft_candidates(&mut s, t, 1, among)?[0].0;
+            let mut rows = model.verify_candidates(&mut s, &[t, d], k, among)?;
             let keep = if accept.next() < p { 2 } else { 1 };
             model.commit(&mut s, keep)?;
-            let v = c.vocab_size;
-            cands = top_of(&rows[(keep - 1) * v..(keep - 1) * v + among], k);
+            cands = rows.swap_remove(keep - 1);
             produced += keep;
         }
         let secs = t0.elapsed().as_secs_f64();

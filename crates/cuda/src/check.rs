@@ -1066,31 +1066,68 @@ pub fn drafting_checks(cuda: &CudaModel, cpu: &CpuModel, rng: &mut Rng, label: &
     let (mut a, mut b) = (cpu.new_session(), cuda.new_session()?);
     cpu.enable_drafting(&mut a)?;
     cuda.enable_drafting(&mut b)?;
-    let mut push = |name: &str, got: &[f32], want: &[f32]| {
-        rows.push(CheckRow {
-            name: format!("{label}: drafting, {name}"),
-            rel_err: rel_err(got, want),
-            limit: BLOCK_LIMIT,
-        })
+    let row = |name: &str, got: &[f32], want: &[f32]| CheckRow {
+        name: format!("{label}: drafting, {name}"),
+        rel_err: rel_err(got, want),
+        limit: BLOCK_LIMIT,
     };
     let prompt: Vec<u32> = (0..7).map(|_| (rng.next_u64() % vocab as u64) as u32).collect();
     let want = cpu.forward(&mut a, &prompt, Logits::Last)?;
-    push("prefill of 7 tokens", &cuda.forward_tokens(&mut b, &prompt, Logits::Last)?, &want);
+    rows.push(row("prefill of 7 tokens", &cuda.forward_tokens(&mut b, &prompt, Logits::Last)?, &want));
+    // The candidates chosen on the device: their values against the CPU's logits at their ids,
+    // and the first of them against the CPU's greedy choice (1: differs).
+    let top_rows = |name: &str, got: &[(u32, f32)], want: &[f32]| {
+        let at: Vec<f32> = got.iter().map(|&(i, _)| want[i as usize]).collect();
+        let values: Vec<f32> = got.iter().map(|&(_, v)| v).collect();
+        let first = if got.first().map(|c| c.0) == Some(greedy(want)) { 0.0 } else { 1.0 };
+        [
+            CheckRow { name: format!("{label}: drafting, {name}"), rel_err: rel_err(&values, &at), limit: BLOCK_LIMIT },
+            CheckRow {
+                name: format!("{label}: drafting, {name}, first against the CPU's greedy"),
+                rel_err: first,
+                limit: 0.0,
+            },
+        ]
+    };
     let mut next = greedy(&want);
+    // Every logit the first time, the candidates on the device the second.
     for keep in [1, 2] {
         let want = cpu.draft(&mut a, next)?;
-        push(&format!("MTP draft before a commit of {keep}"), &cuda.draft(&mut b, next)?, &want);
+        if keep == 1 {
+            rows.push(row(&format!("MTP draft before a commit of {keep}"), &cuda.draft(&mut b, next)?, &want));
+        } else {
+            rows.extend(top_rows("MTP draft's top 40", &cuda.draft_candidates(&mut b, next, 40, vocab)?, &want));
+        }
         let d = greedy(&want);
         let want = cpu.verify(&mut a, &[next, d])?;
-        push(&format!("verifying forward of 2 rows, then kept {keep}"), &cuda.verify(&mut b, &[next, d])?, &want);
+        if keep == 1 {
+            rows.push(row(
+                &format!("verifying forward of 2 rows, then kept {keep}"),
+                &cuda.verify(&mut b, &[next, d])?,
+                &want,
+            ));
+        } else {
+            let got = cuda.verify_candidates(&mut b, &[next, d], 40, vocab)?;
+            for (r, got_row) in got.iter().enumerate() {
+                rows.extend(top_rows(
+                    &format!("verifying forward's row {r} top 40"),
+                    got_row,
+                    &want[r * vocab..(r + 1) * vocab],
+                ));
+            }
+        }
         cpu.commit(&mut a, keep)?;
         cuda.commit(&mut b, keep)?;
         next = greedy(&want[(keep - 1) * vocab..keep * vocab]);
     }
     // A plain forward after the commit (the head catches up on its pending row), then a draft.
     let want = cpu.forward(&mut a, &[next], Logits::Last)?;
-    push("plain forward after committing 2 rows", &cuda.forward_tokens(&mut b, &[next], Logits::Last)?, &want);
+    rows.push(row(
+        "plain forward after committing 2 rows",
+        &cuda.forward_tokens(&mut b, &[next], Logits::Last)?,
+        &want,
+    ));
     let next = greedy(&want);
-    push("MTP draft after that forward", &cuda.draft(&mut b, next)?, &cpu.draft(&mut a, next)?);
+    rows.push(row("MTP draft after that forward", &cuda.draft(&mut b, next)?, &cpu.draft(&mut a, next)?));
     Ok(rows)
 }

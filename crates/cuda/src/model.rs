@@ -50,6 +50,20 @@ use crate::weights::{
 mod mtp;
 use mtp::uncommitted;
 
+/// The candidates a step with [`Want::Top`] left in its output (`k` ids as f32 bit patterns, then
+/// their `k` values), as (id, logit).
+fn candidates_from(out: &[f32], k: usize, among: usize) -> Vec<(u32, f32)> {
+    let ids = out[..k].iter().map(|x| x.to_bits());
+    // Fewer than k logits above -inf leave ids past the vocabulary (the kernel's "none").
+    ids.zip(out[k..2 * k].iter().copied()).filter(|&(i, _)| (i as usize) < among).collect()
+}
+
+/// The `k` and `among` of a request for candidates, as the device takes them.
+fn candidate_counts(c: &TextConfig, k: usize, among: usize) -> (usize, usize) {
+    let among = among.min(c.vocab_size);
+    (k.clamp(1, 1024).min(among), among)
+}
+
 /// Precision tags of address-table entries.
 pub const TAG_Q3: u64 = 1 << 63;
 pub const TAG_Q2: u64 = 1 << 62;
@@ -1075,14 +1089,11 @@ impl CudaModel {
         k: usize,
         among: usize,
     ) -> Result<Vec<(u32, f32)>> {
-        let among = among.min(self.config().vocab_size);
-        let k = k.clamp(1, 1024).min(among);
+        let (k, among) = candidate_counts(self.config(), k, among);
         uncommitted(s)?;
         let want = |last| if last { Want::Top { k, among } } else { Want::Nothing };
         let out = self.run_steps(s, tokens, want, &mut |m, s, sc, i| m.mtp_catch_up(s, sc, tokens[i]))?;
-        let ids: Vec<u32> = out[..k].iter().map(|x| x.to_bits()).collect();
-        // Fewer than k logits above -inf leave ids past the vocabulary (the kernel's "none").
-        Ok(ids.into_iter().zip(out[k..].iter().copied()).filter(|&(i, _)| (i as usize) < among).collect())
+        Ok(candidates_from(&out, k, among))
     }
 
     /// Checks `tokens`, makes room in the session, and runs one step per token; `want(last)` says
@@ -3651,6 +3662,14 @@ impl Backend for CudaModel {
 
     fn commit(&self, s: &mut CudaSession, keep: usize) -> Result<()> {
         CudaModel::commit(self, s, keep)
+    }
+
+    fn draft_top(&self, s: &mut CudaSession, next: u32, k: usize, among: usize) -> Result<Vec<(u32, f32)>> {
+        self.draft_candidates(s, next, k, among)
+    }
+
+    fn verify_top(&self, s: &mut CudaSession, tokens: &[u32], k: usize, among: usize) -> Result<Vec<Vec<(u32, f32)>>> {
+        self.verify_candidates(s, tokens, k, among)
     }
 
     fn vocab_size(&self) -> usize {

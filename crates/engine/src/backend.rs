@@ -92,6 +92,27 @@ pub trait Backend: Send + Sync {
         Ok(top_of(&logits[..among.min(logits.len())], k))
     }
 
+    /// [`Backend::draft`] as its `k` largest logits among ids below `among`, as
+    /// [`Backend::forward_top`] gives them; the default selects them from the full logits.
+    fn draft_top(&self, s: &mut Self::Session, next: u32, k: usize, among: usize) -> Result<Vec<(u32, f32)>> {
+        let logits = self.draft(s, next)?;
+        Ok(top_of(&logits[..among.min(logits.len())], k))
+    }
+
+    /// [`Backend::verify`] as each row's `k` largest logits among ids below `among`, as
+    /// [`Backend::forward_top`] gives them; the default selects them from the full logits.
+    fn verify_top(
+        &self,
+        s: &mut Self::Session,
+        tokens: &[u32],
+        k: usize,
+        among: usize,
+    ) -> Result<Vec<Vec<(u32, f32)>>> {
+        let logits = self.verify(s, tokens)?;
+        let vocab = logits.len() / tokens.len().max(1);
+        Ok(logits.chunks(vocab.max(1)).map(|row| top_of(&row[..among.min(row.len())], k)).collect())
+    }
+
     /// The forwards so far and where their time went (dense, routed experts, waiting on reads).
     /// Cheap (no lock), so callers may take it around every step. `None`: not measured.
     fn forward_stats(&self) -> Option<ForwardStats> {

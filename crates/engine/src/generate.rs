@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 
-use crate::backend::{Backend, Logits, top_of};
+use crate::backend::{Backend, Logits};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::tokenizer::Tokenizer;
 
@@ -232,12 +232,12 @@ pub fn generate<B: Backend>(
         }
         if opts.draft > 0 && !ends && !have_next {
             let ts = Instant::now();
-            let draft = backend.draft(session, tok)?;
-            let d = top_of(&draft[..next.vocab.min(draft.len())], 1)[0].0;
-            let rows = backend.verify(session, &[tok, d])?;
-            let (first, second) = rows.split_at(rows.len() / 2);
-            next = next.for_row(first);
-            verifying = Some((d, next.for_row(second)));
+            let d = backend.draft_top(session, tok, 1, next.vocab)?[0].0;
+            let mut rows = next.verify(backend, session, &[tok, d])?;
+            let missing = || anyhow::anyhow!("the verifying forward gave fewer than two rows");
+            let second = rows.pop().ok_or_else(missing)?;
+            next = rows.pop().ok_or_else(missing)?;
+            verifying = Some((d, second));
             timing.decode_secs += ts.elapsed().as_secs_f64();
             timing.decode_steps += 1;
         }
@@ -292,20 +292,35 @@ impl NextToken {
         Ok(())
     }
 
-    /// The same form for one row of logits the caller already has (a verifying forward's): the
-    /// candidates chosen as [`Backend::forward_top`]'s default chooses them, or every logit.
-    fn for_row(&self, row: &[f32]) -> NextToken {
-        let mut out = NextToken { vocab: self.vocab, ask: self.ask, logits: Vec::new(), candidates: Vec::new() };
-        match self.ask {
-            Some(k) => out.candidates = top_of(&row[..self.vocab.min(row.len())], k),
-            None => {
-                out.logits = row.to_vec();
-                if out.logits.len() > self.vocab {
-                    out.logits[self.vocab..].fill(f32::NEG_INFINITY);
-                }
+    /// A verifying forward of `tokens`, each row in this form: its candidates where that is all the
+    /// sampler needs ([`Backend::verify_top`]), else every logit.
+    fn verify<B: Backend>(&self, backend: &B, session: &mut B::Session, tokens: &[u32]) -> Result<Vec<NextToken>> {
+        let row = |logits: Vec<f32>, candidates: Vec<(u32, f32)>| NextToken {
+            vocab: self.vocab,
+            ask: self.ask,
+            logits,
+            candidates,
+        };
+        Ok(match self.ask {
+            Some(k) => {
+                backend.verify_top(session, tokens, k, self.vocab)?.into_iter().map(|c| row(Vec::new(), c)).collect()
             }
-        }
-        out
+            None => {
+                let logits = backend.verify(session, tokens)?;
+                let vocab = logits.len() / tokens.len().max(1);
+                logits
+                    .chunks(vocab.max(1))
+                    .map(|r| {
+                        let mut l = r.to_vec();
+                        // Rows past the tokenizer's vocabulary are padding of the embedding.
+                        if l.len() > self.vocab {
+                            l[self.vocab..].fill(f32::NEG_INFINITY);
+                        }
+                        row(l, Vec::new())
+                    })
+                    .collect()
+            }
+        })
     }
 
     /// Penalties count `generated` tokens only (OpenAI semantics).

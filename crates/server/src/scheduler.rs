@@ -443,18 +443,29 @@ impl<B: Backend> Scheduler<B> {
             Next::Forward(tok) if a.drafts => {
                 let k = a.decoding.candidates_needed();
                 let vocab = self.tokenizer.vocab_size();
-                let (d, rows) = self.recorded(StepKind::Decode, 1, || {
-                    let draft = self.backend.draft(&mut a.session, tok)?;
-                    let d = cherenkov_engine::backend::top_of(&draft[..vocab.min(draft.len())], 1)[0].0;
-                    Ok((d, self.backend.verify(&mut a.session, &[tok, d])?))
+                let (d, mut rows) = self.recorded(StepKind::Decode, 1, || {
+                    let d = self.backend.draft_top(&mut a.session, tok, 1, vocab)?[0].0;
+                    // Each row's candidates where that is all the sampler needs, else every logit.
+                    let rows: Vec<NextLogits> = match k {
+                        Some(k) => self
+                            .backend
+                            .verify_top(&mut a.session, &[tok, d], k, vocab)?
+                            .into_iter()
+                            .map(NextLogits::Top)
+                            .collect(),
+                        None => {
+                            let logits = self.backend.verify(&mut a.session, &[tok, d])?;
+                            let (first, second) = logits.split_at(logits.len() / 2);
+                            vec![NextLogits::Full(first.to_vec()), NextLogits::Full(second.to_vec())]
+                        }
+                    };
+                    Ok((d, rows))
                 })?;
-                let (first, second) = rows.split_at(rows.len() / 2);
-                let form = |row: &[f32]| match k {
-                    Some(k) => NextLogits::Top(cherenkov_engine::backend::top_of(&row[..vocab.min(row.len())], k)),
-                    None => NextLogits::Full(row.to_vec()),
-                };
-                a.logits = Some(form(first));
-                a.verifying = Some((d, form(second)));
+                let missing = || anyhow::anyhow!("the verifying forward gave fewer than two rows");
+                let second = rows.pop().ok_or_else(missing)?;
+                let first = rows.pop().ok_or_else(missing)?;
+                a.logits = Some(first);
+                a.verifying = Some((d, second));
                 a.forwarded.push(tok);
                 Ok(State::Running)
             }

@@ -15,7 +15,7 @@
 
 use anyhow::{Context, Result, bail};
 
-use super::{CudaModel, MoeStep, Scratch, Want};
+use super::{CudaModel, MoeStep, Scratch, Want, candidate_counts, candidates_from};
 use crate::gpu::{Arg, DevBuf, blocks};
 use crate::session::{CudaSession, MtpSession, VerifyRecord};
 use crate::weights::MatvecOutput;
@@ -50,6 +50,17 @@ impl CudaModel {
 
     /// The MTP head's logits for the token after `next` (which follows the session's history).
     pub fn draft(&self, s: &mut CudaSession, next: u32) -> Result<Vec<f32>> {
+        self.draft_with(s, next, Want::Logits)
+    }
+
+    /// [`CudaModel::draft`]'s `k` largest logits among ids below `among`, chosen on the device as
+    /// [`CudaModel::forward_candidates`] chooses them.
+    pub fn draft_candidates(&self, s: &mut CudaSession, next: u32, k: usize, among: usize) -> Result<Vec<(u32, f32)>> {
+        let (k, among) = candidate_counts(self.config(), k, among);
+        Ok(candidates_from(&self.draft_with(s, next, Want::Top { k, among })?, k, among))
+    }
+
+    fn draft_with(&self, s: &mut CudaSession, next: u32, want: Want) -> Result<Vec<f32>> {
         let c = self.config();
         if next as usize >= c.vocab_size {
             bail!("token id {next} is outside the vocabulary (vocab_size {})", c.vocab_size);
@@ -67,14 +78,32 @@ impl CudaModel {
         let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         self.gpu.bind()?;
         let row = m.pending.ptr;
-        let logits = self.mtp_step(&mut sc, m, row, next, true)?;
+        let out = self.mtp_step(&mut sc, m, row, next, want)?;
         m.has_pending = false;
-        Ok(logits)
+        Ok(out)
     }
 
     /// Like a forward with every row's logits, keeping each row's recurrent states so that
     /// [`CudaModel::commit`] can keep only the first rows (the drafted tokens it accepts).
     pub fn verify(&self, s: &mut CudaSession, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.verify_with(s, tokens, Want::Logits)
+    }
+
+    /// [`CudaModel::verify`] with each row's `k` largest logits among ids below `among`, chosen on
+    /// the device.
+    pub fn verify_candidates(
+        &self,
+        s: &mut CudaSession,
+        tokens: &[u32],
+        k: usize,
+        among: usize,
+    ) -> Result<Vec<Vec<(u32, f32)>>> {
+        let (k, among) = candidate_counts(self.config(), k, among);
+        let out = self.verify_with(s, tokens, Want::Top { k, among })?;
+        Ok(out.chunks(2 * k).map(|row| candidates_from(row, k, among)).collect())
+    }
+
+    fn verify_with(&self, s: &mut CudaSession, tokens: &[u32], want: Want) -> Result<Vec<f32>> {
         uncommitted(s)?;
         let (pos0, ngram_context0) = (s.pos, s.ngram_context.clone());
         let row = self.config().hc_hidden() * 4;
@@ -89,7 +118,7 @@ impl CudaModel {
             ),
         };
         let (h, st) = (hidden.ptr, states.ptr);
-        let logits = self.run_steps(s, tokens, |_| Want::Logits, &mut |_, s, sc, i| {
+        let logits = self.run_steps(s, tokens, |_| want, &mut |_, s, sc, i| {
             self.gpu.dtod(h + (i * row) as u64, sc.x.ptr, row)?;
             if i + 1 < rows {
                 s.copy_states(st + (i * state) as u64, true)?;
@@ -133,7 +162,7 @@ impl CudaModel {
             for (j, &tok) in v.tokens[..keep].iter().enumerate() {
                 if m.has_pending {
                     let pending = m.pending.ptr;
-                    self.mtp_step(&mut sc, m, pending, tok, false).context("MTP head")?;
+                    self.mtp_step(&mut sc, m, pending, tok, Want::Nothing).context("MTP head")?;
                 }
                 self.gpu.dtod(m.pending.ptr, v.hidden.ptr + (j * row) as u64, row)?;
                 m.has_pending = true;
@@ -157,16 +186,16 @@ impl CudaModel {
         // The head overwrites the scratch's residual: the step's row goes aside first.
         self.gpu.dtod(m.spare.ptr, sc.x.ptr, row)?;
         let pending = m.pending.ptr;
-        self.mtp_step(sc, m, pending, tok, false).context("MTP head")?;
+        self.mtp_step(sc, m, pending, tok, Want::Nothing).context("MTP head")?;
         std::mem::swap(&mut m.pending, &mut m.spare);
         Ok(())
     }
 
     /// One position of the MTP head's layer 0 (the one the CPU runs): trunk residual row `row`
     /// (`[hc * H]` on the device) with the token that follows it, at the head's position. Appends
-    /// to the head's caches; returns the logits where `logits` (else nothing). With every expert
+    /// to the head's caches; returns what `want` asks, as a trunk step does. With every expert
     /// resident and attention below the QSA budget, the step is replayed from a graph.
-    fn mtp_step(&self, sc: &mut Scratch, m: &mut MtpSession, row: u64, tok: u32, logits: bool) -> Result<Vec<f32>> {
+    fn mtp_step(&self, sc: &mut Scratch, m: &mut MtpSession, row: u64, tok: u32, want: Want) -> Result<Vec<f32>> {
         let c = self.config();
         let g = &*self.gpu;
         let w = self.weights.mtp.as_ref().context("the model has no MTP head")?;
@@ -181,12 +210,12 @@ impl CudaModel {
         let dense_attention = c.qsa.as_ref().is_none_or(|q| (m.pos + 1) / q.compress_ratio <= q.block_topk());
         if self.graphs && sc.moe.map.is_some() && dense_attention {
             let a = &m.layers[0];
-            let key = MtpGraphKey { cache: a.k.ptr, cap: a.cap, row, logits };
+            let key = MtpGraphKey { cache: a.k.ptr, cap: a.cap, row, want };
             let mut graphs = self.mtp_graphs.lock().unwrap_or_else(|e| e.into_inner());
             let graph = super::cached_graph(&mut graphs, key, || {
                 let mut throwaway = MoeStep::new();
                 throwaway.untimed = true;
-                self.gpu.capture(|| self.queue_mtp(sc, m, row, logits, &mut throwaway))
+                self.gpu.capture(|| self.queue_mtp(sc, m, row, want, &mut throwaway))
             })?;
             g.replay(graph)?;
             st.routed.push(layer.moe.expert_slot);
@@ -195,12 +224,20 @@ impl CudaModel {
                 m.layers[0].blocks = (m.pos + 1) / q.compress_ratio;
             }
         } else {
-            self.queue_mtp(sc, m, row, logits, &mut st)?;
+            self.queue_mtp(sc, m, row, want, &mut st)?;
         }
         let mut out = Vec::new();
-        if logits {
-            out = vec![0f32; c.vocab_size];
-            g.dtoh(sc.logits.ptr, &mut out)?;
+        match want {
+            Want::Nothing => {}
+            Want::Logits => {
+                out = vec![0f32; c.vocab_size];
+                g.dtoh(sc.logits.ptr, &mut out)?;
+            }
+            Want::Top { k, .. } => {
+                let top = self.read_candidates(sc, k)?;
+                out.extend(top.iter().map(|&(i, _)| f32::from_bits(i)));
+                out.extend(top.iter().map(|&(_, v)| v));
+            }
         }
         self.finish_step(sc, st)?;
         m.pos += 1;
@@ -213,7 +250,7 @@ impl CudaModel {
         sc: &mut Scratch,
         m: &mut MtpSession,
         row: u64,
-        logits: bool,
+        want: Want,
         st: &mut MoeStep<'p>,
     ) -> Result<()> {
         let c = self.config();
@@ -247,9 +284,12 @@ impl CudaModel {
         self.hc_read(sc, &layer.mlp_hc)?;
         st.inject = true;
         self.moe(sc, &layer.moe, None, st)?;
-        if logits {
+        if want != Want::Nothing {
             self.hc_read(sc, &w.hyper_connection_mixer)?;
             self.weights.lm_head.matvec(g, sc.inp.ptr, sc.logits.ptr)?;
+        }
+        if let Want::Top { k, among } = want {
+            self.queue_candidates(sc, k, among, super::radix_candidates())?;
         }
         if sc.moe.map.is_some() {
             // The block's routing, for the host's accounting after the step.
@@ -261,11 +301,11 @@ impl CudaModel {
 }
 
 /// What a captured MTP head step depends on: the head's KV cache (its address and size), the
-/// trunk row it reads, and whether it ends with logits.
+/// trunk row it reads, and what it ends with (logits, candidates).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct MtpGraphKey {
     cache: u64,
     cap: usize,
     row: u64,
-    logits: bool,
+    want: Want,
 }
