@@ -184,6 +184,39 @@ struct Case {
     /// Routing steps from the prompt on; the first `warm_steps` (prompt and warm-up) only fill.
     trace: Vec<cherenkov_engine::policy::Step>,
     warm_steps: usize,
+    /// The drafting case's passes and where their host time went.
+    draft_split: DraftSplit,
+}
+
+/// Host time of the drafting case's calls, summed over its passes (s): the draft, the verifying
+/// forward of two rows, and the commit with the draft kept or not.
+#[derive(Default)]
+struct DraftSplit {
+    draft: f64,
+    verify: f64,
+    commit_kept: f64,
+    commit_dropped: f64,
+    kept: usize,
+    dropped: usize,
+}
+
+impl DraftSplit {
+    fn add(&mut self, t0: std::time::Instant, t1: std::time::Instant, t2: std::time::Instant, keep: usize) {
+        self.draft += (t1 - t0).as_secs_f64();
+        self.verify += (t2 - t1).as_secs_f64();
+        let commit = t2.elapsed().as_secs_f64();
+        if keep == 2 {
+            self.commit_kept += commit;
+            self.kept += 1;
+        } else {
+            self.commit_dropped += commit;
+            self.dropped += 1;
+        }
+    }
+
+    fn passes(&self) -> usize {
+        self.kept + self.dropped
+    }
 }
 
 /// Today's date (UTC) as the results' file names carry it.
@@ -200,16 +233,34 @@ impl Draws {
     }
 }
 
+/// The drafting case's flag as the report's command line gives it.
+fn draft_flag(args: &BenchArgs) -> String {
+    args.draft_accept.map_or(String::new(), |p| format!(" --draft-accept {p}"))
+}
+
 /// The drafting case against the plain resident case at the same depth.
 fn drafting_report(k: &Case, plain: &Case) -> String {
-    format!(
+    let s = &k.draft_split;
+    let per = |sum: f64, n: usize| if n == 0 { "-".to_string() } else { format!("{:.3}", 1e3 * sum / n as f64) };
+    let rate = format!(
         "\n{}: {:.1} tok/s at {} layers against {:.1} without drafting ({:.2}x). The kept drafts are drawn at the declared rate, not judged by the head (random weights never draft the trunk's token): this times the drafting machinery, a draft and a verifying forward of two rows a step, at that acceptance.\n",
         k.name,
         k.tok_s,
         k.depth,
         plain.tok_s,
         k.tok_s / plain.tok_s
-    )
+    );
+    let split = format!(
+        "Per pass ({} passes, {} drafts kept), ms of host time: the draft {}, the verifying forward of two rows {}, the commit {} with the draft kept and {} without; a plain step {:.3}.\n",
+        s.passes(),
+        s.kept,
+        per(s.draft, s.passes()),
+        per(s.verify, s.passes()),
+        per(s.commit_kept, s.kept),
+        per(s.commit_dropped, s.dropped),
+        1e3 / plain.tok_s
+    );
+    rate + &split
 }
 
 fn today() -> String {
@@ -594,6 +645,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         let t0 = std::time::Instant::now();
         let mut produced = 0;
         let mut accept = Draws(0x5eed);
+        let mut split = DraftSplit::default();
         while produced < args.tokens {
             let t = sampler.sample_candidates(&cands)?;
             let Some(p) = draft else {
@@ -603,10 +655,14 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             };
             // Draft, verify both rows, keep the draft at the declared rate; the kept row gives the
             // next candidates (every choice on the device, as `run` and `serve` make it).
+            let t0 = std::time::Instant::now();
             let d = model.draft_candidates(&mut s, t, 1, among)?[0].0;
+            let t1 = std::time::Instant::now();
             let mut rows = model.verify_candidates(&mut s, &[t, d], k, among)?;
+            let t2 = std::time::Instant::now();
             let keep = if accept.next() < p { 2 } else { 1 };
             model.commit(&mut s, keep)?;
+            split.add(t0, t1, t2, keep);
             cands = rows.swap_remove(keep - 1);
             produced += keep;
         }
@@ -640,6 +696,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             share: model.skew.as_ref().and_then(|k| k.consecutive_share()),
             warm_steps: warm_trace.len(),
             trace: warm_trace.into_iter().chain(pool.take_trace()).collect(),
+            draft_split: split,
         })
     };
     let all = store.manifest.experts.records() as usize;
@@ -714,12 +771,13 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             Some(per_token_part(1e3 / cases[0].tok_s, layers, 1e3 / half.tok_s, half.depth))
         };
         let mut md = format!(
-            "# Decode benchmark (quick), {}\n\nCommand: `cherenkov bench --quick --layers {} --tokens {} --gpu-memory {} --synthetic-routing {}`  \nGPU: {}; device copy {:.0} GB/s, {}.\n\n",
+            "# Decode benchmark (quick), {}\n\nCommand: `cherenkov bench --quick --layers {} --tokens {} --gpu-memory {} --synthetic-routing {}{}`  \nGPU: {}; device copy {:.0} GB/s, {}.\n\n",
             today(),
             args.layers,
             args.tokens,
             args.gpu_memory,
             args.synthetic_routing,
+            draft_flag(args),
             gpu.info.name,
             bw.device / 1e9,
             link_rates(bw.host_to_device, file_bw.get())
@@ -841,8 +899,13 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     let mut md = String::new();
     md.push_str(&format!("# Decode benchmark, {date}\n\n"));
     md.push_str(&format!(
-        "Command: `cherenkov bench --layers {} --experts {} --tokens {} --gpu-memory {} --synthetic-routing {}`  \n",
-        args.layers, args.experts, args.tokens, args.gpu_memory, args.synthetic_routing
+        "Command: `cherenkov bench --layers {} --experts {} --tokens {} --gpu-memory {} --synthetic-routing {}{}`  \n",
+        args.layers,
+        args.experts,
+        args.tokens,
+        args.gpu_memory,
+        args.synthetic_routing,
+        draft_flag(args)
     ));
     md.push_str(&format!(
         "GPU: {}; device copy {:.0} GB/s, {}.  \n",
