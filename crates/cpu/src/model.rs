@@ -13,7 +13,7 @@ use cherenkov_engine::residency::{ExpertPool, HostSlots};
 use cherenkov_engine::routing::SkewedRouting;
 use cherenkov_engine::stats::{ExpertStats, ForwardStats, PoolStats};
 use cherenkov_model::config::TextConfig;
-use cherenkov_model::ngram::NgramHash;
+use cherenkov_model::ngram::{NgramHash, advance_context};
 use cherenkov_model::store::Store;
 
 use crate::ops::Rope;
@@ -135,7 +135,7 @@ impl CpuModel {
         }
         s.pos = v.pos0 + keep;
         s.ngram_context = v.ngram_context0;
-        advance_context(c, &mut s.ngram_context, &v.tokens[..keep]);
+        advance_context(c.ngram_size, &mut s.ngram_context, &v.tokens[..keep]);
         if s.mtp.is_some() {
             self.mtp_catch_up(s, &v.hidden[..keep * c.hc_hidden()], &v.tokens[..keep])?;
         }
@@ -319,17 +319,9 @@ impl CpuModel {
             hyper::inject(c, &mut x, &inj.expect("MLP hyper-connection injects"), &out);
         }
 
-        advance_context(c, &mut s.ngram_context, tokens);
+        advance_context(c.ngram_size, &mut s.ngram_context, tokens);
         s.pos += t;
         Ok((x, record.then_some((mixer_rows, ple_rows))))
-    }
-}
-
-/// The n-gram context after `tokens`: the last `ngram_size - 1` tokens, most recent first.
-fn advance_context(c: &TextConfig, ctx: &mut Vec<u32>, tokens: &[u32]) {
-    for &tok in tokens {
-        ctx.insert(0, tok);
-        ctx.truncate(c.ngram_size.saturating_sub(1));
     }
 }
 

@@ -36,7 +36,7 @@ use cherenkov_engine::backend::{Backend, Logits};
 use cherenkov_engine::residency::{ExpertPool, Lease};
 use cherenkov_engine::stats::{ExpertStats, ForwardStats, PoolStats};
 use cherenkov_model::config::{GateAct, TextConfig};
-use cherenkov_model::ngram::NgramHash;
+use cherenkov_model::ngram::{NgramHash, advance_context};
 use cherenkov_model::store::{ExpertLayout, Precision, RecordMatrix, Store};
 
 use crate::gpu::{Arg, DevBuf, Event, Gpu, Graph, Pinned, blocks};
@@ -1176,8 +1176,7 @@ impl CudaModel {
                 sk.prepare_noise(layer.moe.expert_slot, c.num_experts, false);
             }
         }
-        s.ngram_context.insert(0, tok);
-        s.ngram_context.truncate(c.ngram_size.saturating_sub(1));
+        advance_context(c.ngram_size, &mut s.ngram_context, &[tok]);
         s.pos += 1;
         st.queued_ns = Some(st.start.elapsed().as_nanos() as u64);
         match want {

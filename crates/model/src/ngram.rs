@@ -42,6 +42,14 @@ fn is_prime(v: u64) -> bool {
     true
 }
 
+/// Advances an n-gram context (the last `ngram_size - 1` tokens, most recent first) past `tokens`.
+pub fn advance_context(ngram_size: usize, ctx: &mut Vec<u32>, tokens: &[u32]) {
+    for &tok in tokens {
+        ctx.insert(0, tok);
+        ctx.truncate(ngram_size.saturating_sub(1));
+    }
+}
+
 /// The hash of one PLE layer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct NgramHash {

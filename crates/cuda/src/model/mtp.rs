@@ -14,6 +14,7 @@
 //! not built yet.
 
 use anyhow::{Context, Result, bail};
+use cherenkov_model::ngram::advance_context;
 
 use super::{CudaModel, MoeStep, Scratch, Want, candidate_counts, candidates_from};
 use crate::gpu::{Arg, DevBuf, blocks};
@@ -153,10 +154,7 @@ impl CudaModel {
         }
         s.pos = v.pos0 + keep;
         s.ngram_context = v.ngram_context0.clone();
-        for &t in &v.tokens[..keep] {
-            s.ngram_context.insert(0, t);
-            s.ngram_context.truncate(c.ngram_size.saturating_sub(1));
-        }
+        advance_context(c.ngram_size, &mut s.ngram_context, &v.tokens[..keep]);
         if let Some(m) = s.mtp.as_mut() {
             let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
             for (j, &tok) in v.tokens[..keep].iter().enumerate() {
