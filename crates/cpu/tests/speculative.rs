@@ -78,3 +78,28 @@ fn drafting_needs_a_model_with_an_mtp_head() {
     let e = generate(&m, &mut m.new_session(), &[1, 2], &tok, &opts, &mut |_| true).unwrap_err().to_string();
     assert!(e.contains("no MTP head"), "{e}");
 }
+
+#[test]
+fn the_drafts_and_verifying_rows_candidates_are_the_top_of_their_logits() {
+    use cherenkov_engine::backend::top_of;
+    let st = store("tiny-a/mlx4");
+    let m = model(st, 64);
+    let vocab = m.vocab_size();
+    let among = vocab - 7;
+    let (mut a, mut b) = (m.new_session(), m.new_session());
+    for s in [&mut a, &mut b] {
+        m.enable_drafting(s).unwrap();
+        m.forward(s, &[3, 1, 4, 1, 5], cherenkov_engine::backend::Logits::Last).unwrap();
+    }
+    // The same calls on two equal sessions: the full logits on one, the candidates on the other.
+    let draft = m.draft(&mut a, 9).unwrap();
+    let top = Backend::draft_top(&m, &mut b, 9, 5, among).unwrap();
+    assert_eq!(top, top_of(&draft[..among], 5));
+    let rows = m.verify(&mut a, &[9, 2]).unwrap();
+    let tops = Backend::verify_top(&m, &mut b, &[9, 2], 5, among).unwrap();
+    assert_eq!(tops.len(), 2);
+    for (r, t) in tops.iter().enumerate() {
+        assert_eq!(t, &top_of(&rows[r * vocab..r * vocab + among], 5), "row {r}");
+        assert!(t.iter().all(|&(i, _)| (i as usize) < among));
+    }
+}
