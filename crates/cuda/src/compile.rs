@@ -37,6 +37,7 @@ pub const KERNELS: &[&str] = &[
     "hc_mix",
     "hc_inject",
     "add_streams",
+    "copy_spans",
     "silu_mul",
     "mul_sigmoid",
     "norm_rope",

@@ -8,7 +8,7 @@ use anyhow::{Result, bail};
 use cherenkov_model::LayerType;
 use cherenkov_model::config::TextConfig;
 
-use crate::gpu::{DevBuf, Gpu};
+use crate::gpu::{Arg, DevBuf, Gpu, blocks};
 
 pub struct AttentionState {
     /// Tokens the buffers can hold.
@@ -78,6 +78,15 @@ pub struct CudaSession {
     pub verify: Option<VerifyRecord>,
     /// A committed verifying forward's buffers (rows, states), kept for the next one.
     pub verify_bufs: Option<(DevBuf, DevBuf)>,
+    /// The span tables [`CudaSession::copy_states`] launches with, per record address.
+    state_spans: Vec<StateSpans>,
+}
+
+/// The `copy_spans` tables that save the recurrent states into a record at `at` and restore them.
+struct StateSpans {
+    at: u64,
+    save: DevBuf,
+    restore: DevBuf,
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -132,6 +141,7 @@ impl CudaSession {
             mtp: None,
             verify: None,
             verify_bufs: None,
+            state_spans: Vec::new(),
         })
     }
 
@@ -161,24 +171,66 @@ impl CudaSession {
         v
     }
 
-    /// Bytes of one row's record of [`CudaSession::state_bufs`].
-    pub fn state_bytes(&self) -> usize {
-        self.state_bufs().iter().map(|b| b.bytes).sum()
+    /// Each state buffer's place in a row's record ([`CudaSession::state_bufs`] order, 256-byte
+    /// aligned) and the record's bytes.
+    fn state_layout(&self) -> (Vec<(u64, usize, u64)>, usize) {
+        let mut off = 0usize;
+        let mut v = Vec::new();
+        for b in self.state_bufs() {
+            v.push((b.ptr, b.bytes, off as u64));
+            off = (off + b.bytes).next_multiple_of(256);
+        }
+        (v, off)
     }
 
-    /// Copies the recurrent states into (`save`) or out of the record at `at` (queued on the
-    /// compute stream).
-    pub fn copy_states(&self, at: u64, save: bool) -> Result<()> {
-        let mut off = 0u64;
-        for b in self.state_bufs() {
-            if save {
-                self.gpu.dtod(at + off, b.ptr, b.bytes)?;
-            } else {
-                self.gpu.dtod(b.ptr, at + off, b.bytes)?;
-            }
-            off += b.bytes as u64;
+    /// Bytes of one row's record of [`CudaSession::state_bufs`].
+    pub fn state_bytes(&self) -> usize {
+        self.state_layout().1
+    }
+
+    /// Copies the recurrent states into (`save`) or out of the record at `at` (256-byte aligned),
+    /// queued on the compute stream as one launch (`copy_spans`); the span tables are uploaded
+    /// once per record address.
+    pub fn copy_states(&mut self, at: u64, save: bool) -> Result<()> {
+        let (layout, _) = self.state_layout();
+        if layout.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        let i = match self.state_spans.iter().position(|t| t.at == at) {
+            Some(i) => i,
+            None => {
+                let table = |save: bool| -> Result<DevBuf> {
+                    let rows: Vec<u64> = layout
+                        .iter()
+                        .flat_map(|&(ptr, bytes, off)| {
+                            let (dst, src) = if save { (at + off, ptr) } else { (ptr, at + off) };
+                            [dst, src, bytes as u64]
+                        })
+                        .collect();
+                    let b = self.gpu.alloc(rows.len() * 8, "a verifying forward's copy table")?;
+                    self.gpu.htod(b.ptr, &rows)?;
+                    Ok(b)
+                };
+                let spans = StateSpans { at, save: table(true)?, restore: table(false)? };
+                // Records move only when a longer verify needs more room: a few addresses at most.
+                if self.state_spans.len() == 8 {
+                    self.state_spans.remove(0);
+                }
+                self.state_spans.push(spans);
+                self.state_spans.len() - 1
+            }
+        };
+        let t = &self.state_spans[i];
+        let largest = layout.iter().map(|l| l.1).max().unwrap_or(0);
+        // Enough blocks that the largest span (a GDN recurrent state) takes a few passes a thread.
+        let per = blocks(largest / 16, 256 * 8).max(1);
+        self.gpu.launch(
+            "copy_spans",
+            (per, layout.len() as u32, 1),
+            256,
+            0,
+            &[Arg::Ptr(if save { t.save.ptr } else { t.restore.ptr }), Arg::I32(layout.len() as i32)],
+        )
     }
 
     /// Makes every attention layer (the MTP head's too) able to hold `tokens` tokens (doubling,
@@ -245,6 +297,7 @@ impl CudaSession {
             mtp,
             verify: None,
             verify_bufs: None,
+            state_spans: Vec::new(),
         })
     }
 

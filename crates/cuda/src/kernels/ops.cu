@@ -64,6 +64,27 @@ extern "C" __global__ void add_streams(float* x, const float* e, int hc, int H) 
     x[i] += e[i % H];
 }
 
+// Copies spans[s] = (dst, src, bytes), three u64 each, one span per grid row (blockIdx.y): a
+// verifying forward's record of the recurrent states in one launch instead of a copy per buffer.
+// Addresses are 16-byte aligned and lengths whole f32s.
+extern "C" __global__ void copy_spans(const unsigned long long* spans, int n) {
+    KSPAN;
+    grid_enter();
+    const int s = blockIdx.y;
+    if (s >= n) return;
+    const unsigned long long* sp = spans + 3 * (size_t)s;
+    const size_t bytes = sp[2];
+    const size_t step = (size_t)gridDim.x * blockDim.x;
+    const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    uint4* d4 = (uint4*)sp[0];
+    const uint4* s4 = (const uint4*)sp[1];
+    const size_t n16 = bytes / 16;
+    for (size_t i = first; i < n16; i += step) d4[i] = s4[i];
+    float* d1 = (float*)sp[0];
+    const float* s1 = (const float*)sp[1];
+    for (size_t i = n16 * 4 + first; i < bytes / 4; i += step) d1[i] = s1[i];
+}
+
 // y = silu(gate) * up, in place into gate.
 extern "C" __global__ void silu_mul(float* gate, const float* up, int n) {
     KSPAN;
