@@ -1049,7 +1049,105 @@ pub fn run_all(cuda: &CudaModel, cpu: &CpuModel, seed: u64, label: &str) -> Resu
     let mut rows = linear_checks(&cuda.gpu, &mut rng)?;
     rows.extend(block_checks(cuda, cpu, &mut rng, label)?);
     rows.extend(drafting_checks(cuda, cpu, &mut rng, label)?);
+    rows.extend(gdn_rows_checks(&cuda.gpu, &mut rng)?);
     Ok(rows)
+}
+
+/// `gdn_recurrent_rows` over two rows against two launches of `gdn_recurrent_split`, on random
+/// inputs of the released shape (16 key heads, 32 value heads of 128 x 128): each row's output,
+/// the state after the first row and after the second, as fractions of values not identical.
+pub fn gdn_rows_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
+    let (nk, nv, dk, dv) = (16usize, 32usize, 128usize, 128usize);
+    let (width, heads, state) = (2 * nk * dk + nv * dv, nv * dv, nv * dk * dv);
+    let upload = |v: &[f32], what: &str| -> Result<crate::gpu::DevBuf> {
+        let b = gpu.alloc(v.len() * 4, what)?;
+        gpu.htod(b.ptr, v)?;
+        Ok(b)
+    };
+    let qkv = upload(&rng.normal(2 * width, 1.0), "check input")?;
+    let a = upload(&rng.normal(2 * nv, 1.0), "check input")?;
+    let b = upload(&rng.normal(2 * nv, 1.0), "check input")?;
+    let z = upload(&rng.normal(2 * heads, 1.0), "check input")?;
+    let a_log = upload(&rng.normal(nv, 0.5), "check input")?;
+    let dt_bias = upload(&rng.normal(nv, 0.5), "check input")?;
+    let norm_w = upload(&rng.normal(dv, 1.0), "check input")?;
+    let s0 = rng.normal(state, 0.1);
+    let threads = (dv * 4) as u32;
+    let shared = ((2 * dk + 4 * dv) * 4) as u32;
+    let args = |qkv: u64, a: u64, b: u64, s: u64, out: u64, z: u64| {
+        vec![
+            Arg::Ptr(qkv),
+            Arg::Ptr(a),
+            Arg::Ptr(b),
+            Arg::Ptr(a_log.ptr),
+            Arg::Ptr(dt_bias.ptr),
+            Arg::Ptr(s),
+            Arg::Ptr(out),
+            Arg::I32(nk as i32),
+            Arg::I32(nv as i32),
+            Arg::I32(dk as i32),
+            Arg::I32(dv as i32),
+            Arg::Ptr(z),
+            Arg::Ptr(norm_w.ptr),
+            Arg::F32(1e-6),
+            Arg::I32(0),
+            Arg::Ptr(0),
+        ]
+    };
+    // Two launches of the one-row kernel, the state read back after each.
+    let s = upload(&s0, "check state")?;
+    let out = gpu.zeros(2 * heads * 4, "check output")?;
+    let mut want_states = Vec::new();
+    for row in 0..2u64 {
+        let f = 4 * row;
+        gpu.launch(
+            "gdn_recurrent_split",
+            (nv as u32, 1, 1),
+            threads,
+            shared,
+            &args(
+                qkv.ptr + f * width as u64,
+                a.ptr + f * nv as u64,
+                b.ptr + f * nv as u64,
+                s.ptr,
+                out.ptr + f * heads as u64,
+                z.ptr + f * heads as u64,
+            ),
+        )?;
+        let mut st = vec![0f32; state];
+        gpu.dtoh(s.ptr, &mut st)?;
+        want_states.push(st);
+    }
+    let mut want_out = vec![0f32; 2 * heads];
+    gpu.dtoh(out.ptr, &mut want_out)?;
+    // One launch over both rows.
+    let s2 = upload(&s0, "check state")?;
+    let mid = gpu.zeros(state * 4, "check state")?;
+    let out2 = gpu.zeros(2 * heads * 4, "check output")?;
+    let mut rows_args = args(qkv.ptr, a.ptr, b.ptr, s2.ptr, out2.ptr, z.ptr);
+    rows_args.insert(6, Arg::Ptr(mid.ptr));
+    rows_args.extend([Arg::I32(2), Arg::I32(width as i32), Arg::I32(0)]);
+    gpu.launch("gdn_recurrent_rows", (nv as u32, 1, 1), threads, shared, &rows_args)?;
+    let read = |p: u64, n: usize| -> Result<Vec<f32>> {
+        let mut v = vec![0f32; n];
+        gpu.dtoh(p, &mut v)?;
+        Ok(v)
+    };
+    let differ = |got: &[f32], want: &[f32]| {
+        got.iter().zip(want).filter(|(g, w)| g.to_bits() != w.to_bits()).count() as f64 / want.len().max(1) as f64
+    };
+    let got_out = read(out2.ptr, 2 * heads)?;
+    let row = |name: &str, rel_err: f64| CheckRow {
+        name: format!("gdn_recurrent_rows over 2 rows against 2 launches, {name} (fraction not identical)"),
+        rel_err,
+        limit: 0.0,
+    };
+    Ok(vec![
+        row("row 0 output", differ(&got_out[..heads], &want_out[..heads])),
+        row("row 1 output", differ(&got_out[heads..], &want_out[heads..])),
+        row("state after row 0", differ(&read(mid.ptr, state)?, &want_states[0])),
+        row("state after row 1", differ(&read(s2.ptr, state)?, &want_states[1])),
+    ])
 }
 
 /// Drafting with the MTP head against the CPU backend, where the store has a head: the logits of

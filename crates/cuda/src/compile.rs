@@ -44,6 +44,7 @@ pub const KERNELS: &[&str] = &[
     "gdn_conv",
     "gdn_recurrent",
     "gdn_recurrent_split",
+    "gdn_recurrent_rows",
     "split_q_gate",
     "kv_append",
     "qsa_pool_block",

@@ -203,3 +203,92 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_split(const floa
     if (digits && threadIdx.x < dv) mvd_put_chunk(digits, nv * dv / 32, (hv * dv + j) / 32, out[(size_t)hv * dv + j]);
 #endif
 }
+
+// gdn_recurrent_split over `nrows` tokens in one launch (a verifying forward's rows, not used by
+// the forward yet). Row t's inputs are at qkv + t * qkv_stride, a and b + t * nv, z + t * nv * dv;
+// its outputs at out + t * nv * dv and, with `digits`, digits + t * digits_stride words. The state
+// stays in registers from row to row: after each row but the last it is written to
+// S_mid + t * nv * dk * dv (what a commit of t + 1 rows restores), after the last to S. Each row's
+// arithmetic is gdn_recurrent_split's, in the same order, so each row equals one launch of it.
+extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_rows(const float* qkv, const float* a, const float* b,
+                                               const float* A_log, const float* dt_bias, float* S, float* S_mid,
+                                               float* out, int nk, int nv, int dk, int dv, const float* z,
+                                               const float* norm_w, float eps, int act, u32* digits, int nrows,
+                                               int qkv_stride, int digits_stride) {
+    KSPAN;
+    extern __shared__ float sh[];
+    __shared__ float nscratch[32];
+    const int hv = blockIdx.x;
+    const int j = threadIdx.x % dv, r = threadIdx.x / dv;
+    const int rows = dk / GDN_SPLIT, i0 = r * rows;
+    const size_t at = (size_t)hv * dk * dv + (size_t)i0 * dv + j;
+    const size_t state = (size_t)nv * dk * dv;
+    float col[GDN_MAX_ROWS];
+#pragma unroll
+    for (int t = 0; t < GDN_MAX_ROWS; t++) {
+        if (t < rows) col[t] = S[at + (size_t)t * dv];
+    }
+    const float a_log = A_log[hv], dt = dt_bias[hv];
+    const float wj = norm_w[j];
+    grid_enter();
+    const float* sq = sh;
+    const float* sk = sh + dk;
+    float* part = sh + 2 * dk;
+    for (int row = 0; row < nrows; row++) {
+        const float* x = qkv + (size_t)row * qkv_stride;
+        const float* vrow = x + (size_t)2 * nk * dk + (size_t)hv * dv;
+        const float vj = vrow[j], bh = b[(size_t)row * nv + hv], ah = a[(size_t)row * nv + hv];
+        const float zj = z[(size_t)row * nv * dv + (size_t)hv * dv + j];
+        // The previous row's reads of q, k and the partial sums are done.
+        __syncthreads();
+        gdn_stage_qk(x, sh, hv, nk, nv, dk, dv);
+        const float beta = sigmoidf_(bh);
+        const float decay = expf(-expf(a_log) * softplusf_(ah + dt));
+        float kv = 0.0f;
+#pragma unroll
+        for (int t = 0; t < GDN_MAX_ROWS; t++) {
+            if (t < rows) {
+                col[t] *= decay;
+                kv += col[t] * sk[i0 + t];
+            }
+        }
+        part[r * dv + j] = kv;
+        __syncthreads();
+        kv = 0.0f;
+        for (int p = 0; p < GDN_SPLIT; p++) kv += part[p * dv + j];
+        const float delta = (vj - kv) * beta;
+        float y = 0.0f;
+#pragma unroll
+        for (int t = 0; t < GDN_MAX_ROWS; t++) {
+            if (t < rows) {
+                col[t] = col[t] + sk[i0 + t] * delta;
+                y += col[t] * sq[i0 + t];
+            }
+        }
+        if (row + 1 < nrows) {
+#pragma unroll
+            for (int t = 0; t < GDN_MAX_ROWS; t++) {
+                if (t < rows) S_mid[(size_t)row * state + at + (size_t)t * dv] = col[t];
+            }
+        }
+        __syncthreads();
+        part[r * dv + j] = y;
+        __syncthreads();
+        if (r == 0) {
+            y = 0.0f;
+            for (int p = 0; p < GDN_SPLIT; p++) y += part[p * dv + j];
+        }
+        const float ss = block_sum(r == 0 ? y * y : 0.0f, nscratch);
+        if (r == 0) {
+            const float inv = rsqrtf(ss / (float)dv + eps);
+            const float gate = act == 0 ? sigmoidf_(zj) : siluf_(zj);
+            const float o = wj * (y * inv) * gate;
+            out[(size_t)row * nv * dv + (size_t)hv * dv + j] = o;
+            if (digits) mvd_put_chunk(digits + (size_t)row * digits_stride, nv * dv / 32, (hv * dv + j) / 32, o);
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < GDN_MAX_ROWS; t++) {
+        if (t < rows) S[at + (size_t)t * dv] = col[t];
+    }
+}
