@@ -121,6 +121,7 @@ pub fn linear_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
     rows.extend(input_checks(gpu, rng)?);
     rows.extend(inject_checks(gpu, rng)?);
     rows.extend(image_checks(gpu, rng)?);
+    rows.extend(rows_checks(gpu, rng)?);
     rows.extend(ahead_checks(gpu, rng)?);
     rows.extend(route_checks(gpu, rng)?);
     for dtype in [DType::BF16, DType::F16, DType::F32] {
@@ -603,6 +604,129 @@ fn image_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
         });
     }
     Ok(rows)
+}
+
+/// Several input rows through one 4-bit matrix in one launch (`DevLinear::matvec_rows`,
+/// `matvec_q4_x2` and `_x4`): against the CPU, and each row bit for bit against the tiled
+/// `matvec_q4` with the same lanes a tile on that row alone; stored, and injected into each row's
+/// residual streams (the out_proj's way). Shapes of the MTP head's `fc_hidden` and the GDN
+/// out_proj.
+pub fn rows_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
+    use crate::weights::{MV_TILED, RowsOutput};
+    let mut out = Vec::new();
+    let hc = 4usize;
+    for (r, c) in [(2560usize, 2560usize), (2560, 6144)] {
+        for nx in [2usize, 4] {
+            let mut x = rng.normal(nx * c, 1.0);
+            x[c..c + 32].fill(0.0); // a chunk of zeros in row 1 (xs = 0)
+            let fmt = Affine::new(4, 64);
+            let bf: Vec<u16> = rng.normal(r * c, 0.05).iter().map(|&v| f32_to_bf16(v)).collect();
+            let q = quantize_matrix(&bf, r, c, fmt);
+            let (lin, _bufs) = upload_linear(gpu, &q, fmt, r, c)?;
+            if !lin.rows_in_one(nx) {
+                bail!("matvec_rows: {nx} rows of a {r}x{c} q4 g64 matrix should take one launch");
+            }
+            // The CPU's rows.
+            let cpu = Linear::Affine { fmt, rows: r, cols: c, words: &q.words, scales: &q.scales, biases: &q.biases };
+            let mut cpu_rows = vec![0f32; nx * r];
+            for i in 0..nx {
+                cpu.forward(&x[i * c..(i + 1) * c], &mut cpu_rows[i * r..(i + 1) * r]);
+            }
+            let dx = gpu.alloc(nx * c * 4, "check input")?;
+            gpu.htod(dx.ptr, &x)?;
+            let (plan, _) = lin.rows_plan(gpu, nx);
+            let Some(shmem) = lin.tiled_shmem() else { bail!("a {r}x{c} q4 g64 matrix should be tiled") };
+            let group_size: i32 = 64;
+            // One row at a time: the tiled matvec_q4 with the plan's lanes; stored, then injected.
+            let one = |row: usize, y: u64, xres: u64, inj: u64| -> Result<()> {
+                gpu.launch(
+                    "matvec_q4",
+                    (plan.blocks as u32, 1, 1),
+                    plan.threads as u32,
+                    shmem as u32,
+                    &[
+                        Arg::Ptr(lin.data),
+                        Arg::Ptr(lin.scales),
+                        Arg::Ptr(lin.biases),
+                        Arg::Ptr(dx.ptr + (row * c * 4) as u64),
+                        Arg::Ptr(y),
+                        Arg::I32(r as i32),
+                        Arg::I32(c as i32),
+                        Arg::I32(group_size),
+                        Arg::I32((MV_TILED | plan.lanes) as i32),
+                        Arg::Ptr(0),
+                        Arg::F32(0.0),
+                        Arg::I32(0),
+                        Arg::Ptr(xres),
+                        Arg::Ptr(inj),
+                        Arg::I32(if xres != 0 { hc as i32 } else { 0 }),
+                    ],
+                )
+            };
+            let read = |ptr: u64, n: usize| -> Result<Vec<f32>> {
+                let mut v = vec![0f32; n];
+                gpu.dtoh(ptr, &mut v)?;
+                Ok(v)
+            };
+            let differ = |a: &[f32], b: &[f32]| {
+                a.iter().zip(b).filter(|(p, q)| p.to_bits() != q.to_bits()).count() as f64 / a.len() as f64
+            };
+            let ys = gpu.zeros(2 * nx * r * 4, "check output")?;
+            let (ya, yb) = (ys.ptr, ys.ptr + (nx * r * 4) as u64);
+            for i in 0..nx {
+                one(i, ya + (i * r * 4) as u64, 0, 0)?;
+            }
+            lin.matvec_rows(gpu, dx.ptr, c * 4, RowsOutput::Store { y: yb, stride: r * 4 }, nx)?;
+            let (a, b) = (read(ya, nx * r)?, read(yb, nx * r)?);
+            out.push(CheckRow {
+                name: format!("matvec q4 g64 {r}x{c}, {nx} rows in one launch"),
+                rel_err: rel_err(&b, &cpu_rows),
+                limit: LINEAR_LIMIT,
+            });
+            out.push(CheckRow {
+                name: format!(
+                    "matvec q4 g64 {r}x{c}, {nx} rows in one launch against one each (fraction not identical)"
+                ),
+                rel_err: differ(&a, &b),
+                limit: 0.0,
+            });
+            // Injected: each row's residual of hc streams and its logits, twice (one launch a row,
+            // and all rows in one).
+            let res = rng.normal(nx * hc * r, 1.0);
+            let logit = rng.normal(nx * hc, 1.0);
+            let (xa, xb) = (gpu.alloc(res.len() * 4, "check residual")?, gpu.alloc(res.len() * 4, "check residual")?);
+            let inj = gpu.alloc(logit.len() * 4, "check logits")?;
+            gpu.htod(xa.ptr, &res)?;
+            gpu.htod(xb.ptr, &res)?;
+            gpu.htod(inj.ptr, &logit)?;
+            for i in 0..nx {
+                one(i, 0, xa.ptr + (i * hc * r * 4) as u64, inj.ptr + (i * hc * 4) as u64)?;
+            }
+            let to = RowsOutput::Inject { x: xb.ptr, x_stride: hc * r * 4, inj: inj.ptr, inj_stride: hc * 4, hc };
+            lin.matvec_rows(gpu, dx.ptr, c * 4, to, nx)?;
+            let (a, b) = (read(xa.ptr, res.len())?, read(xb.ptr, res.len())?);
+            let want: Vec<f32> = (0..nx * hc * r)
+                .map(|j| {
+                    let (i, s, k) = (j / (hc * r), (j / r) % hc, j % r);
+                    let g = 2.0 / (1.0 + (-logit[i * hc + s] / hc as f32).exp());
+                    res[j] + g * cpu_rows[i * r + k]
+                })
+                .collect();
+            out.push(CheckRow {
+                name: format!("matvec q4 g64 {r}x{c}, {nx} rows in one launch, injected"),
+                rel_err: rel_err(&b, &want),
+                limit: LINEAR_LIMIT,
+            });
+            out.push(CheckRow {
+                name: format!(
+                    "matvec q4 g64 {r}x{c}, {nx} rows in one launch, injected, against one each (fraction not identical)"
+                ),
+                rel_err: differ(&a, &b),
+                limit: 0.0,
+            });
+        }
+    }
+    Ok(out)
 }
 
 /// The tiled kernels on the model's shapes: column-split matvecs (few rows, many columns), several

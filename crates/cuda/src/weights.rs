@@ -93,6 +93,16 @@ pub enum MatvecOutput {
     Inject { x: u64, inj: u64, hc: usize, scratch: u64 },
 }
 
+/// Where [`DevLinear::matvec_rows`] puts each row's outputs (strides in bytes between rows).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RowsOutput {
+    /// Row r's `rows` floats at `y + r stride`.
+    Store { y: u64, stride: usize },
+    /// Row r injected into its residual `x + r x_stride` with the logits `inj + r inj_stride`, as
+    /// [`MatvecOutput::Inject`] injects one row.
+    Inject { x: u64, x_stride: usize, inj: u64, inj_stride: usize, hc: usize },
+}
+
 /// `x[s h + j] += 2 sigmoid(inj[s] / hc) out[j]` for the `hc` streams of `h` (`hc_inject` in ops.cu).
 pub fn hc_inject(gpu: &Gpu, x: u64, inj: u64, out: u64, hc: usize, h: usize) -> Result<()> {
     gpu.launch(
@@ -109,6 +119,81 @@ impl DevLinear {
     /// ([`MatvecInput::Digits`]): only 4-bit rows are staged as digits (linear.cu's `MV_DP4A`).
     pub fn stages_digits(&self) -> bool {
         matches!(self.precision, Precision::Affine { bits: 4, .. })
+    }
+
+    /// Whether [`DevLinear::matvec_rows`] takes `nx` rows in one launch here (else one launch a
+    /// row): 4-bit rows of the tiled format, 2 or 4 rows whose staged digits fit.
+    pub fn rows_in_one(&self, nx: usize) -> bool {
+        matches!(self.precision, Precision::Affine { bits: 4, .. })
+            && matches!(nx, 2 | 4)
+            && self.tiled_shmem().is_some()
+            && nx * rows_staging_bytes(self.cols) <= MAX_STAGED_X
+    }
+
+    /// `nx` input rows through W: row r of x at `x + r xstride` (bytes), its `rows` outputs where
+    /// `out` puts them ([`RowsOutput`]). Where [`DevLinear::rows_in_one`], one launch whose weights
+    /// serve every row (`matvec_q4_x2`, `matvec_q4_x4` in linear.cu; each row's result is the
+    /// unsplit tiled `matvec_q4`'s with the same lanes a tile, bit for bit); elsewhere stored rows take [`DevLinear::matvec`] once a row, and
+    /// injected ones are refused (they would need a scratch row). Built for a verifying forward's
+    /// rows in one pass; nothing in the forward calls it yet. (The MTP stem's four `fc_hidden`
+    /// streams, 2560 x 2560, were 0.012 ms slower a draft this way than as four launches that
+    /// split the columns: `benchmark/notes-cuda.md`, "Session 48".)
+    pub fn matvec_rows(&self, gpu: &Gpu, x: u64, xstride: usize, out: RowsOutput, nx: usize) -> Result<()> {
+        let (y, ystride, xres, resstride, inj, injstride, hc) = match out {
+            RowsOutput::Store { y, stride } => (y, stride, 0, 0, 0, 0, 0),
+            RowsOutput::Inject { x, x_stride, inj, inj_stride, hc } => (0, 0, x, x_stride, inj, inj_stride, hc),
+        };
+        if !self.rows_in_one(nx) {
+            if xres != 0 {
+                bail!(
+                    "matvec_rows: {nx} injected rows of a {}x{} matrix that takes them only one at a time",
+                    self.rows,
+                    self.cols
+                );
+            }
+            for r in 0..nx {
+                self.matvec(gpu, x + (r * xstride) as u64, y + (r * ystride) as u64)?;
+            }
+            return Ok(());
+        }
+        if !(xstride.is_multiple_of(16) && [ystride, resstride, injstride].iter().all(|s| s.is_multiple_of(4))) {
+            bail!(
+                "matvec_rows: row strides of {xstride}, {ystride}, {resstride} and {injstride} bytes (x rows must stay 16-byte aligned)"
+            );
+        }
+        let Precision::Affine { group_size, .. } = self.precision else { unreachable!("checked: 4-bit") };
+        let (plan, shmem) = self.rows_plan(gpu, nx);
+        gpu.launch(
+            &format!("matvec_q4_x{nx}"),
+            (plan.blocks as u32, 1, 1),
+            plan.threads as u32,
+            shmem as u32,
+            &[
+                Arg::Ptr(self.data),
+                Arg::Ptr(self.scales),
+                Arg::Ptr(self.biases),
+                Arg::Ptr(x),
+                Arg::Ptr(y),
+                Arg::I32(self.rows as i32),
+                Arg::I32(self.cols as i32),
+                Arg::I32(group_size as i32),
+                Arg::I32(plan.lanes as i32),
+                Arg::U64((xstride / 4) as u64),
+                Arg::U64((ystride / 4) as u64),
+                Arg::Ptr(xres),
+                Arg::Ptr(inj),
+                Arg::I32(hc as i32),
+                Arg::U64((resstride / 4) as u64),
+                Arg::U64((injstride / 4) as u64),
+            ],
+        )
+    }
+
+    /// The launch shape of [`DevLinear::matvec_rows`] for `nx` rows in one launch, and its shared
+    /// memory: the tiled plan for 2 blocks a multiprocessor and `nx` staged rows.
+    pub fn rows_plan(&self, gpu: &Gpu, nx: usize) -> (TilePlan, usize) {
+        let shmem = nx * rows_staging_bytes(self.cols);
+        (tile_plan(gpu, self.rows.div_ceil(MV_R), self.cols / chunk_codes(4), 1, 2, shmem), shmem)
     }
 
     /// y = W x (x: cols floats, y: rows floats).
@@ -443,6 +528,14 @@ pub fn tiled_shmem(bits: u32, gs: usize, cols: usize) -> Option<usize> {
         && cols.is_multiple_of(gs)
         && shmem <= MAX_STAGED_X)
         .then_some(shmem)
+}
+
+/// Bytes of shared memory one input row of `cols` takes staged as digits (linear.cu's
+/// `mvd_rows_float4s`: 7 uint4 of digits and a float2 a chunk of 32, the float2s padded to whole
+/// uint4): 3.75 bytes an input.
+pub fn rows_staging_bytes(cols: usize) -> usize {
+    let chunks = cols / 32;
+    16 * (chunks * 7 + chunks.div_ceil(2))
 }
 
 /// Whether the tiled core's 32-bit offsets (`mv_load` in linear.cu) reach every 16-byte chunk and

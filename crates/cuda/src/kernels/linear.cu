@@ -738,17 +738,38 @@ struct MvNoPre {
 };
 
 // LD: the staging's loader of x (MvLdX).
-template <int BITS, int MODE, bool EARLY = false, bool INT = true, class Emit, class Pre = MvNoPre, class Ld = MvLdX>
+// NX: input rows. Above 1 (4-bit rows by dp4a, whole rows, plain inputs, no ssq, not staged by the
+// caller), x holds NX rows `xstride` floats apart, each staged as digits in turn
+// (mvd_rows_float4s(cols) float4s a row), and the weights each step loads serve every row: each
+// finished tile calls emit(tile, v, r) once per row r. A row's sums are those of NX = 1 on that
+// row alone, bit for bit (the same products in the same order).
+__host__ __device__ constexpr int mvd_rows_float4s(int cols) {
+    return (cols >> 5) * MVD_CHUNK + (((cols >> 5) + 1) >> 1);
+}
+
+template <int NX, class Emit>
+__device__ __forceinline__ void mv_emit(Emit& emit, int tile, const float* v, int r) {
+    if constexpr (NX == 1) {
+        emit(tile, v);
+    } else {
+        emit(tile, v, r);
+    }
+}
+
+template <int BITS, int MODE, bool EARLY = false, bool INT = true, int NX = 1, class Emit, class Pre = MvNoPre,
+          class Ld = MvLdX>
 __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const float* __restrict__ x, const MvIn in,
                                         int rows, int C, int Cs, int gpr, int gshift, int L, int blk, int nblk,
                                         Emit emit, float* ssq = nullptr, Pre pre = Pre{}, bool staged = false,
-                                        Ld ld = Ld{}) {
+                                        Ld ld = Ld{}, long long xstride = 0) {
     typedef MvFmt<BITS> F;
     extern __shared__ float4 mv_smem[];
     __shared__ float red[32][MV_R];
     const int cols = Cs * F::CPC;                 // inputs of the slice
     float4* sx4 = mv_smem;
     float* ssum = (float*)mv_smem + cols;
+    static_assert(NX == 1 || (BITS == 4 && MV_DP4A && INT), "several input rows only by the 4-bit dp4a core");
+    const int X4 = mvd_rows_float4s(cols);        // float4s of one staged row (NX > 1)
 
     const int lshift = __ffs(L) - 1;              // L is a power of two
     const int nit = (Cs + L - 1) >> lshift;       // steps per tile
@@ -801,7 +822,10 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
     }
     if constexpr (EARLY) grid_enter();
     constexpr bool DP4A = BITS == 4 && MV_DP4A && INT;
-    if (staged) {
+    if constexpr (NX > 1) {
+#pragma unroll
+        for (int r = 0; r < NX; r++) mvd_stage(x + r * xstride, in, sx4 + r * X4, cols, nullptr, ld);
+    } else if (staged) {
         // The caller staged x already (mv_stage_all), before it waited.
     } else if constexpr (DP4A) {
         if (in.op == MV_IN_DIGITS && !ssq && Cs == C) {  // (a column slice converts its x)
@@ -814,9 +838,11 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
     }
     tl_mark();
 
-    float tot[MV_R];
+    float tot[NX][MV_R];
 #pragma unroll
-    for (int i = 0; i < MV_R; i++) tot[i] = 0.0f;
+    for (int r = 0; r < NX; r++)
+#pragma unroll
+        for (int i = 0; i < MV_R; i++) tot[r][i] = 0.0f;
     while (more) {
         const int tile = pass * tpu + sub, c = (it << lshift) + lt;
         // Request the next step before computing this one.
@@ -833,7 +859,8 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
             mv_load<BITS, MODE>(a, bm, tile2, c2, more2 && tile2 < ntiles && c2 < Cs, rows, C, gpr, gshift, wn, sbn);
         }
         if (DP4A && tile < ntiles && c < Cs) {
-            mvd_step(wc, sbc, sx4, cols >> 5, c, tot);
+#pragma unroll
+            for (int r = 0; r < NX; r++) mvd_step(wc, sbc, sx4 + r * X4, cols >> 5, c, tot[r]);
         } else if (!DP4A && tile < ntiles && c < Cs) {
 #pragma unroll
             for (int p = 0; p < F::NSUB; p++) {
@@ -862,11 +889,11 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
                     const u32 sb = sbc[i * F::NSUB + p];
                     const float scale = __uint_as_float(sb << 16), bias = __uint_as_float(sb & 0xffff0000u);
                     if constexpr (BITS == 8) {
-                        tot[i] = fmaf(scale, acc[i], fmaf(bias, xsum, tot[i]));
+                        tot[0][i] = fmaf(scale, acc[i], fmaf(bias, xsum, tot[0][i]));
                     } else {
                         // sum(q x) = 2^(BITS+1) acc - 2^BITS xsum.
                         const float sq = fmaf((float)(2 << BITS), acc[i], -(float)(1 << BITS) * xsum);
-                        tot[i] = fmaf(scale, sq, fmaf(bias, xsum, tot[i]));
+                        tot[0][i] = fmaf(scale, sq, fmaf(bias, xsum, tot[0][i]));
                     }
                 }
             }
@@ -875,35 +902,38 @@ __device__ __forceinline__ void mv_core(const MvMat a, const MvMat bm, const flo
             // The tile is done: reduce over its L lanes and hand its sums over. (Marks 1 and 2:
             // thread 0's first tile's products done; its sums handed over.)
             tl_mark_at(1);
-            if (L <= 32) {
 #pragma unroll
-                for (int i = 0; i < MV_R; i++) {
-                    for (int o = L >> 1; o > 0; o >>= 1) tot[i] += __shfl_xor_sync(0xffffffffu, tot[i], o);
-                }
-                if (lt == 0 && tile < ntiles) emit(tile, tot);
-            } else {
-#pragma unroll
-                for (int i = 0; i < MV_R; i++) tot[i] = warp_sum(tot[i]);
-                if ((t & 31) == 0) {
-#pragma unroll
-                    for (int i = 0; i < MV_R; i++) red[t >> 5][i] = tot[i];
-                }
-                __syncthreads();
-                if (t < tpu) {
-                    const int wpt = L >> 5, tl = pass * tpu + t;
-                    float v[MV_R];
+            for (int r = 0; r < NX; r++) {
+                if (L <= 32) {
 #pragma unroll
                     for (int i = 0; i < MV_R; i++) {
-                        v[i] = 0.0f;
-                        for (int k = 0; k < wpt; k++) v[i] += red[t * wpt + k][i];
+                        for (int o = L >> 1; o > 0; o >>= 1) tot[r][i] += __shfl_xor_sync(0xffffffffu, tot[r][i], o);
                     }
-                    if (tl < ntiles) emit(tl, v);
+                    if (lt == 0 && tile < ntiles) mv_emit<NX>(emit, tile, tot[r], r);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < MV_R; i++) tot[r][i] = warp_sum(tot[r][i]);
+                    if ((t & 31) == 0) {
+#pragma unroll
+                        for (int i = 0; i < MV_R; i++) red[t >> 5][i] = tot[r][i];
+                    }
+                    __syncthreads();
+                    if (t < tpu) {
+                        const int wpt = L >> 5, tl = pass * tpu + t;
+                        float v[MV_R];
+#pragma unroll
+                        for (int i = 0; i < MV_R; i++) {
+                            v[i] = 0.0f;
+                            for (int k = 0; k < wpt; k++) v[i] += red[t * wpt + k][i];
+                        }
+                        if (tl < ntiles) mv_emit<NX>(emit, tl, v, r);
+                    }
+                    __syncthreads();
                 }
-                __syncthreads();
+#pragma unroll
+                for (int i = 0; i < MV_R; i++) tot[r][i] = 0.0f;
             }
             tl_mark_at(2);
-#pragma unroll
-            for (int i = 0; i < MV_R; i++) tot[i] = 0.0f;
         }
 #pragma unroll
         for (int i = 0; i < MV_R; i++) wc[i] = wn[i];
@@ -1550,6 +1580,53 @@ extern "C" __global__ void __launch_bounds__(256, 2)
             matvec_affine_sx<B>(W, S, Bi, x, in, out, rows, cols, gs, rpb);                                    \
         }                                                                                                      \
     }
+// NX input rows through one 4-bit matrix in one launch (mv_core's NX): row r of x at x + r
+// xstride, its output at y + r ystride, or injected into the residual xres + r resstride with the
+// logits inj + r injstride (MvOut). The weights each step loads serve every row, so a row costs
+// its staging and products, not its loads. L lanes a tile; 2 blocks of 256 threads a
+// multiprocessor (the rows' sums take registers); the host gives NX rows of staged digits
+// (mvd_rows_float4s each). Each row's result is matvec_q4's on that row, bit for bit.
+#if MV_DP4A
+#define MATVEC_Q4_ROWS(NX)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256, 2)                                                      \
+        matvec_q4_x##NX(const u32* W, const u16* S, const u16* Bi, const float* x, float* y, int rows, int cols, \
+                        int gs, int L, long long xstride, long long ystride, float* xres, const float* inj, int hc, \
+                        long long resstride, long long injstride) { KSPAN;                                      \
+        typedef MvFmt<4> F;                                                                                    \
+        const int C = cols / F::CPC, gpr = cols / gs, gshift = __ffs(gs) - 1;                                  \
+        const MvMat a{(const uint4*)W, S, Bi};                                                                 \
+        mv_core<4, MV_PLAIN, true, true, NX>(                                                                  \
+            a, a, x, MV_IN_NONE, rows, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,                            \
+            [&](int tile, const float* v, int r) {                                                             \
+                const MvOut o{y ? y + r * ystride : nullptr, xres ? xres + r * resstride : nullptr,           \
+                              inj ? inj + r * injstride : nullptr, hc};                                       \
+                mv_out_rows<MV_R>(o, tile * MV_R, rows, v);                                                    \
+            },                                                                                                 \
+            nullptr, MvNoPre{}, false, MvLdX{}, xstride);                                                      \
+    }
+#else
+// Without dp4a (the MV_NO_DP4A measurement variant) the float core takes the rows one pass each.
+#define MATVEC_Q4_ROWS(NX)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256, 2)                                                      \
+        matvec_q4_x##NX(const u32* W, const u16* S, const u16* Bi, const float* x, float* y, int rows, int cols, \
+                        int gs, int L, long long xstride, long long ystride, float* xres, const float* inj, int hc, \
+                        long long resstride, long long injstride) { KSPAN;                                      \
+        typedef MvFmt<4> F;                                                                                    \
+        const int C = cols / F::CPC, gpr = cols / gs, gshift = __ffs(gs) - 1;                                  \
+        const MvMat a{(const uint4*)W, S, Bi};                                                                 \
+        grid_enter();                                                                                          \
+        for (int r = 0; r < NX; r++) {                                                                         \
+            const MvOut o{y ? y + r * ystride : nullptr, xres ? xres + r * resstride : nullptr,               \
+                          inj ? inj + r * injstride : nullptr, hc};                                           \
+            mv_core<4, MV_PLAIN>(a, a, x + r * xstride, MV_IN_NONE, rows, C, C, gpr, gshift, L, blockIdx.x,     \
+                                 gridDim.x, [&](int tile, const float* v) { mv_out_rows<MV_R>(o, tile * MV_R, rows, v); }); \
+            __syncthreads();                                                                                   \
+        }                                                                                                      \
+    }
+#endif
+MATVEC_Q4_ROWS(2)
+MATVEC_Q4_ROWS(4)
+
 MATVEC_AFFINE_TILED(2, 2)
 MATVEC_AFFINE(3)
 MATVEC_AFFINE_TILED(4, 3)
