@@ -1,0 +1,405 @@
+//! Does a tensor-core core make extra input rows nearly free? `rows_probe` found that the tiled
+//! dp4a core pays 1.25x a launch for a second row on the GDN in_proj and 1.6-1.7x on the layer's
+//! other 4-bit matrices, so a verifying pass over two rows would cost about 1.5x a step. Session
+//! 11's `mma.m16n8k32` core (lost with its branch) was level with dp4a for one row; with one
+//! instruction summing 32 codes of 16 rows against 8 columns, the three digits of two input rows
+//! (6 columns) cost one instruction as one row's do. This probe rebuilds that core for 1, 2 and 4
+//! rows and times it against the engine's `matvec_q4`, `matvec_q4_x2` and `_x4` (ignored by
+//! default; needs a GPU):
+//!
+//!     cargo test --release -p cherenkov-cuda --test mma_probe --no-run   # prints the binary
+//!     <binary> --ignored --nocapture        (on the GPU machine, with NVRTC on LD_LIBRARY_PATH)
+//!
+//! The core (`mma_rows<NX>`): a block of 8 warps takes a tile of 16 rows; warp w takes the tile's
+//! quads of 4 chunks (32 inputs each) w, w + 8, ... Its lane (g = lane / 4, t = lane % 4) loads
+//! two uint4 a quad: word t of the quad's 4 chunks for rows g and g + 8, from a copy of the weights
+//! laid out in that fragment order (`mma_relayout`; the engine would do it at upload). Per chunk,
+//! A is the codes as unsigned bytes (`w & 0x0F0F0F0F`, the even inputs, at k 4t..4t+3; the odd
+//! ones at 16 + 4t..), B column n is digit n / 2 of input row n % 2 (a second mma for rows 2 and
+//! 3), read from `mvd_stage`'s staging as the dp4a core reads it. The three digit sums meet in
+//! lane t = 0 by two shuffles, which applies the dp4a core's epilogue (the same float arithmetic
+//! per chunk). The warps' sums meet in shared memory. The chunks are summed in another order than
+//! the tiled core's, so the outputs are checked against `matvec_q4` to 1e-5 of their scale, not
+//! bit for bit.
+
+mod probe;
+
+use cherenkov_cuda::gpu::{Arg, Gpu};
+use cherenkov_cuda::weights::{MV_TILED, rows_staging_bytes, tile_plan, tiled_shmem};
+use probe::{GS, Mat, time};
+
+const PROBE: &str = r#"
+// Fragment order: for tile T (16 rows), quad Q (chunks 4Q..4Q+3), lane (g, t): F[2 id] is word t
+// of those 4 chunks of row 16T + g, F[2 id + 1] of row 16T + g + 8 (id = (T NQ + Q) 32 + lane).
+extern "C" __global__ void mma_relayout(const u32* __restrict__ W, uint4* F, int rows, int C) {
+    const int NQ = C >> 2;
+    const size_t id = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (id >= (size_t)(rows >> 4) * NQ * 32) return;
+    const int lane = id & 31, g = lane >> 2, t = lane & 3;
+    const size_t tq = id >> 5;
+    const int Q = tq % NQ, T = tq / NQ;
+    for (int h = 0; h < 2; h++) {
+        const u32* w = W + ((size_t)T * 16 + g + 8 * h) * C * 4 + (size_t)Q * 16 + t;
+        F[id * 2 + h] = make_uint4(w[0], w[4], w[8], w[12]);
+    }
+}
+
+template <int NX>
+__device__ __forceinline__ void mma_rows_core(const uint4* __restrict__ F, const u16* __restrict__ S,
+                                              const u16* __restrict__ B, const float* __restrict__ x, float* y,
+                                              int rows, int cols, int gs) {
+    extern __shared__ float4 mv_smem[];
+    __shared__ float red[8][16][NX];
+    constexpr int MM = (NX + 1) / 2;
+    const int C = cols >> 5, NQ = C >> 2, gpr = cols / gs, gshift = __ffs(gs) - 1;
+    const int X4 = mvd_rows_float4s(cols);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int T = blockIdx.x;
+    int q = warp;
+    uint4 fa = make_uint4(0, 0, 0, 0), fb = fa;
+    if (q < NQ) {
+        const uint4* p = F + (((size_t)T * NQ + q) * 32 + lane) * 2;
+        fa = p[0];
+        fb = p[1];
+    }
+    grid_enter();
+#pragma unroll
+    for (int r = 0; r < NX; r++) mvd_stage(x + (size_t)r * cols, MV_IN_NONE, mv_smem + r * X4, cols, nullptr);
+    float tot[NX][2];
+#pragma unroll
+    for (int r = 0; r < NX; r++) tot[r][0] = tot[r][1] = 0.0f;
+    const int dg = g >> 1;
+    const size_t row0 = (size_t)T * 16 + g, row1 = row0 + 8;
+    while (q < NQ) {
+        const int qn = q + nw;
+        uint4 na = fa, nb = fb;
+        if (qn < NQ) {
+            const uint4* p = F + (((size_t)T * NQ + qn) * 32 + lane) * 2;
+            na = p[0];
+            nb = p[1];
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int c = 4 * q + j;
+            const u32 w0 = mv_word(fa, j), w1 = mv_word(fb, j);
+            const u32 a0 = w0 & 0x0F0F0F0Fu, a2 = (w0 >> 4) & 0x0F0F0F0Fu;
+            const u32 a1 = w1 & 0x0F0F0F0Fu, a3 = (w1 >> 4) & 0x0F0F0F0Fu;
+            int d[MM][4];
+#pragma unroll
+            for (int m = 0; m < MM; m++) {
+                // This lane's column of B: digit g / 2 of input row 2m + g % 2.
+                const int rr = 2 * m + (g & 1);
+                u32 b0 = 0, b1 = 0;
+                if (dg < 3 && rr < NX) {
+                    const u32* base = (const u32*)(mv_smem + rr * X4 + c * MVD_CHUNK) + 12 * (t >> 1) + 6 * (t & 1);
+                    b0 = base[2 * dg];
+                    b1 = base[2 * dg + 1];
+                }
+                asm volatile(
+                    "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                    "{%10,%10,%10,%10};"
+                    : "=r"(d[m][0]), "=r"(d[m][1]), "=r"(d[m][2]), "=r"(d[m][3])
+                    : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
+            }
+            // Lane t holds digit t's sums for rows g, g + 8 (d[.][0..1], d[.][2..3]) and input rows
+            // 2m, 2m + 1; digits 1 and 2 come from lanes t + 1 and t + 2.
+            int d1[MM][4], d2[MM][4];
+#pragma unroll
+            for (int m = 0; m < MM; m++)
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    d1[m][k] = __shfl_down_sync(0xffffffffu, d[m][k], 1);
+                    d2[m][k] = __shfl_down_sync(0xffffffffu, d[m][k], 2);
+                }
+            if (t == 0) {
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const size_t gi = (h ? row1 : row0) * gpr + ((c << 5) >> gshift);
+                    const float scale = __uint_as_float((u32)S[gi] << 16), bias = __uint_as_float((u32)B[gi] << 16);
+#pragma unroll
+                    for (int m = 0; m < MM; m++)
+#pragma unroll
+                        for (int jj = 0; jj < 2; jj++) {
+                            const int r = 2 * m + jj;
+                            if (r < NX) {
+                                const int k = 2 * h + jj;
+                                const float sq = fmaf((float)d2[m][k], 65536.0f, (float)(d1[m][k] * 256 + d[m][k]));
+                                const float2 mt = mvd_meta(mv_smem + r * X4, C)[c];
+                                tot[r][h] = fmaf(scale * mt.x, sq, fmaf(bias, mt.y, tot[r][h]));
+                            }
+                        }
+                }
+            }
+        }
+        fa = na;
+        fb = nb;
+        q = qn;
+    }
+    if (t == 0) {
+#pragma unroll
+        for (int r = 0; r < NX; r++) {
+            red[warp][g][r] = tot[r][0];
+            red[warp][g + 8][r] = tot[r][1];
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < 16 * NX) {
+        const int i = threadIdx.x & 15, r = threadIdx.x >> 4;
+        float v = 0.0f;
+        for (int w = 0; w < nw; w++) v += red[w][i][r];
+        const size_t row = (size_t)T * 16 + i;
+        if (row < (size_t)rows) y[(size_t)r * rows + row] = v;
+    }
+}
+
+#define MMA_ROWS(NX)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(256) mma_rows##NX(const uint4* F, const u16* S, const u16* B, \
+                                                                   const float* x, float* y, int rows, int cols, \
+                                                                   int gs) {                                   \
+        mma_rows_core<NX>(F, S, B, x, y, rows, cols, gs);                                                      \
+    }
+MMA_ROWS(1)
+MMA_ROWS(2)
+MMA_ROWS(4)
+"#;
+
+fn ptx(arch: &'static str) -> String {
+    cherenkov_cuda::compile::compile_with_extra(arch, PROBE).unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+/// The probe's kernels compile with the engine's source, and without spills where ptxas is given
+/// (`CHERENKOV_PTXAS`, as tests/compile.rs), so the measurement does not fail on the GPU machine.
+#[test]
+fn mma_probe_kernels_compile() {
+    if !cherenkov_cuda::compile::nvrtc_available() {
+        eprintln!("skipped: NVRTC not found");
+        return;
+    }
+    let p = ptx("sm_90");
+    let names = ["mma_relayout", "mma_rows1", "mma_rows2", "mma_rows4"];
+    for k in names {
+        assert!(p.contains(&format!(".entry {k}(")), "{k}");
+    }
+    let Some(ptxas) = std::env::var_os("CHERENKOV_PTXAS").map(std::path::PathBuf::from).filter(|p| p.is_file()) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (src, out) = (dir.path().join("probe.ptx"), dir.path().join("probe.cubin"));
+    std::fs::write(&src, p).unwrap();
+    let mut cmd = std::process::Command::new(&ptxas);
+    cmd.args(["-arch=sm_90", "-v"]);
+    for k in &names[1..] {
+        cmd.args(["-e", k]);
+    }
+    let run = cmd.arg("-o").arg(&out).arg(&src).output().unwrap();
+    let report = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "ptxas failed:\n{report}");
+    let mut kernel = String::new();
+    let mut reported = 0;
+    for line in report.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            kernel = rest.split('\'').next().unwrap_or("?").to_string();
+        } else if kernel.starts_with("mma_rows") && (line.contains("spill stores") || line.contains("registers")) {
+            eprintln!("{kernel}: {}", line.trim());
+            if line.contains("spill stores") {
+                assert!(line.contains(" 0 bytes spill stores"), "{kernel} spills: {line}");
+                reported += 1;
+            }
+        }
+    }
+    assert_eq!(reported, 3, "ptxas's report:\n{report}");
+}
+
+#[test]
+#[ignore = "a measurement on the GPU machine; see the file's header"]
+fn mma_probe() {
+    let gpu = Gpu::new().unwrap();
+    let (maj, min) = gpu.info.compute_capability;
+    let arch = cherenkov_cuda::compile::arch_name(maj, min).unwrap();
+    let image = std::ffi::CString::new(ptx(arch)).unwrap();
+    gpu.bind().unwrap();
+    // SAFETY: a NUL-terminated PTX image holding the engine's kernels and the probe's.
+    let module =
+        unsafe { cudarc::driver::result::module::load_data(image.as_ptr() as *const std::ffi::c_void).unwrap() };
+    let funcs: Vec<_> = ["mma_relayout", "mma_rows1", "mma_rows2", "mma_rows4"]
+        .iter()
+        // SAFETY: the module is loaded and holds each name.
+        .map(|k| unsafe {
+            cudarc::driver::result::module::get_function(module, std::ffi::CString::new(*k).unwrap()).unwrap()
+        })
+        .collect();
+    // The probe's own module: its kernels' dynamic shared memory above 48 KiB (4 staged rows).
+    for f in &funcs[1..] {
+        // SAFETY: setting an attribute of a loaded function.
+        unsafe {
+            cudarc::driver::result::function::set_function_attribute(
+                *f,
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                (4 * rows_staging_bytes(6144)) as i32,
+            )
+            .unwrap()
+        };
+    }
+    let x = gpu.zeros(4 * 6144 * 4, "probe x").unwrap();
+    let xv: Vec<f32> =
+        (0..4 * 6144).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0 + (i / 6144) as f32 * 0.01).collect();
+    gpu.htod(x.ptr, &xv).unwrap();
+    let y = gpu.zeros(4 * 16384 * 4, "probe y").unwrap();
+    let y1 = gpu.zeros(4 * 16384 * 4, "probe y, engine").unwrap();
+    println!(
+        "# mma probe on {}: us per launch, graphs of {} launches with PDL, {} replays",
+        gpu.info.name,
+        probe::LAUNCHES,
+        probe::REPLAYS
+    );
+    let shapes = [
+        ("GDN in_proj qkv+z 16384x2560", 16384usize, 2560usize),
+        ("out_proj 2560x6144", 2560, 6144),
+        ("fc_hidden 2560x2560", 2560, 2560),
+        ("expert gate+up 1280x2560", 1280, 2560),
+        ("expert down 2560x640", 2560, 640),
+    ];
+    let mut failures = 0;
+    for (name, rows, cols) in shapes {
+        let m = Mat::new(&gpu, rows, cols);
+        let chunks = cols / 32;
+        // Each copy in fragment order.
+        let frag: Vec<_> = (0..m.copies.len())
+            .map(|i| {
+                let f = gpu.alloc(rows * cols / 2, "probe fragments").unwrap();
+                let n = (rows / 16) * (chunks / 4) * 32;
+                // SAFETY: mma_relayout(W, F, rows, C) over copy i, F of the same bytes.
+                unsafe {
+                    probe::launch(
+                        &gpu,
+                        funcs[0],
+                        n.div_ceil(256) as u32,
+                        256,
+                        1,
+                        &[Arg::Ptr(m.copy(i).0), Arg::Ptr(f.ptr), Arg::I32(rows as i32), Arg::I32(chunks as i32)],
+                    )
+                    .unwrap()
+                };
+                f
+            })
+            .collect();
+        gpu.sync().unwrap();
+        println!("\n## {name}: {} copies of {:.2} MB", m.copies.len(), m.bytes() as f64 / 1e6);
+        let mma = |nx: usize, i: usize, yp: u64| {
+            let (_, s, b) = m.copy(i);
+            let k = match nx {
+                1 => 1,
+                2 => 2,
+                _ => 3,
+            };
+            let args = [
+                Arg::Ptr(frag[i % frag.len()].ptr),
+                Arg::Ptr(s),
+                Arg::Ptr(b),
+                Arg::Ptr(x.ptr),
+                Arg::Ptr(yp),
+                Arg::I32(rows as i32),
+                Arg::I32(cols as i32),
+                Arg::I32(GS as i32),
+            ];
+            let smem = (nx * rows_staging_bytes(cols)) as u32;
+            // SAFETY: mma_rowsNX(F, S, B, x, y, rows, cols, gs) over copy i in fragment order.
+            unsafe { gpu.launch_function(funcs[k], "mma_rows", ((rows / 16) as u32, 1, 1), 256, smem, &args, true) }
+                .unwrap();
+        };
+        // The engine's kernels with its plans: matvec_q4 (one row at a time) and matvec_q4_x{nx}.
+        let engine = |nx: usize, i: usize, yp: u64| {
+            let (w, s, b) = m.copy(i);
+            let head = [
+                Arg::Ptr(w),
+                Arg::Ptr(s),
+                Arg::Ptr(b),
+                Arg::Ptr(x.ptr),
+                Arg::Ptr(yp),
+                Arg::I32(rows as i32),
+                Arg::I32(cols as i32),
+                Arg::I32(GS as i32),
+            ];
+            if nx == 1 {
+                let shmem = tiled_shmem(4, GS, cols).unwrap();
+                let p = tile_plan(&gpu, rows / 4, chunks, 1, 3, shmem);
+                let tail = [
+                    Arg::I32(MV_TILED as i32 | p.lanes as i32),
+                    Arg::Ptr(0),
+                    Arg::F32(0.0),
+                    Arg::I32(0),
+                    Arg::Ptr(0),
+                    Arg::Ptr(0),
+                    Arg::I32(0),
+                ];
+                gpu.launch(
+                    "matvec_q4",
+                    (p.blocks as u32, 1, 1),
+                    p.threads as u32,
+                    shmem as u32,
+                    &[&head[..], &tail[..]].concat(),
+                )
+                .unwrap();
+            } else {
+                let shmem = nx * rows_staging_bytes(cols);
+                let p = tile_plan(&gpu, rows / 4, chunks, 1, 2, shmem);
+                let tail = [
+                    Arg::I32(p.lanes as i32),
+                    Arg::U64(cols as u64),
+                    Arg::U64(rows as u64),
+                    Arg::Ptr(0),
+                    Arg::Ptr(0),
+                    Arg::I32(0),
+                    Arg::U64(0),
+                    Arg::U64(0),
+                ];
+                gpu.launch(
+                    &format!("matvec_q4_x{nx}"),
+                    (p.blocks as u32, 1, 1),
+                    p.threads as u32,
+                    shmem as u32,
+                    &[&head[..], &tail[..]].concat(),
+                )
+                .unwrap();
+            }
+        };
+        // Correctness: each row of the mma core against the engine's matvec_q4 on that row.
+        for nx in [1usize, 2, 4] {
+            mma(nx, 0, y.ptr);
+            engine(nx, 0, y1.ptr);
+            gpu.sync().unwrap();
+            let (mut a, mut b) = (vec![0f32; nx * rows], vec![0f32; nx * rows]);
+            gpu.dtoh(y.ptr, &mut a).unwrap();
+            gpu.dtoh(y1.ptr, &mut b).unwrap();
+            let worst = a.iter().zip(&b).fold(0f32, |w, (p, q)| w.max((p - q).abs()));
+            let scale = b.iter().fold(0f32, |w, v| w.max(v.abs()));
+            // Said and counted, not asserted at once: one run on the GPU machine reports every shape.
+            if worst > 1e-5 * scale.max(1.0) {
+                println!(
+                    "WRONG: mma_rows{nx} against the engine: {worst} (scale {scale}); first rows {:?} against {:?}",
+                    &a[..4],
+                    &b[..4]
+                );
+                failures += 1;
+            }
+        }
+        let mut line = String::new();
+        let mut one = (0.0, 0.0);
+        for nx in [1usize, 2, 4] {
+            let a = time(&gpu, |i| mma(nx, i, y.ptr));
+            let b = time(&gpu, |i| engine(nx, i, y1.ptr));
+            if nx == 1 {
+                one = (a, b);
+            }
+            line += &format!("  {nx} row(s): mma {a:.2} us ({:.2}x), engine {b:.2} us ({:.2}x)", a / one.0, b / one.1);
+        }
+        println!("{}", line.trim_start());
+        println!(
+            "one row: mma {:.0} GB/s, engine {:.0} GB/s",
+            m.bytes() as f64 / (one.0 * 1e-6) / 1e9,
+            m.bytes() as f64 / (one.1 * 1e-6) / 1e9
+        );
+    }
+    assert_eq!(failures, 0, "the mma core disagreed with the engine (above)");
+}
