@@ -25,7 +25,7 @@
 mod probe;
 
 use cherenkov_cuda::gpu::{Arg, Gpu};
-use cherenkov_cuda::weights::{MV_TILED, rows_staging_bytes, tile_plan, tiled_shmem};
+use cherenkov_cuda::weights::{rows_staging_bytes, tile_plan, tiled_shmem};
 use probe::{GS, Mat, time};
 
 const PROBE: &str = r#"
@@ -310,59 +310,10 @@ fn mma_probe() {
         };
         // The engine's kernels with its plans: matvec_q4 (one row at a time) and matvec_q4_x{nx}.
         let engine = |nx: usize, i: usize, yp: u64| {
-            let (w, s, b) = m.copy(i);
-            let head = [
-                Arg::Ptr(w),
-                Arg::Ptr(s),
-                Arg::Ptr(b),
-                Arg::Ptr(x.ptr),
-                Arg::Ptr(yp),
-                Arg::I32(rows as i32),
-                Arg::I32(cols as i32),
-                Arg::I32(GS as i32),
-            ];
-            if nx == 1 {
-                let shmem = tiled_shmem(4, GS, cols).unwrap();
-                let p = tile_plan(&gpu, rows / 4, chunks, 1, 3, shmem);
-                let tail = [
-                    Arg::I32(MV_TILED as i32 | p.lanes as i32),
-                    Arg::Ptr(0),
-                    Arg::F32(0.0),
-                    Arg::I32(0),
-                    Arg::Ptr(0),
-                    Arg::Ptr(0),
-                    Arg::I32(0),
-                ];
-                gpu.launch(
-                    "matvec_q4",
-                    (p.blocks as u32, 1, 1),
-                    p.threads as u32,
-                    shmem as u32,
-                    &[&head[..], &tail[..]].concat(),
-                )
-                .unwrap();
-            } else {
-                let shmem = nx * rows_staging_bytes(cols);
-                let p = tile_plan(&gpu, rows / 4, chunks, 1, 2, shmem);
-                let tail = [
-                    Arg::I32(p.lanes as i32),
-                    Arg::U64(cols as u64),
-                    Arg::U64(rows as u64),
-                    Arg::Ptr(0),
-                    Arg::Ptr(0),
-                    Arg::I32(0),
-                    Arg::U64(0),
-                    Arg::U64(0),
-                ];
-                gpu.launch(
-                    &format!("matvec_q4_x{nx}"),
-                    (p.blocks as u32, 1, 1),
-                    p.threads as u32,
-                    shmem as u32,
-                    &[&head[..], &tail[..]].concat(),
-                )
-                .unwrap();
-            }
+            let (min_blocks, shmem) =
+                if nx == 1 { (3, tiled_shmem(4, GS, cols).unwrap()) } else { (2, nx * rows_staging_bytes(cols)) };
+            let p = tile_plan(&gpu, rows / 4, chunks, 1, min_blocks, shmem);
+            probe::engine_q4(&gpu, nx, &m, i, x.ptr, yp, p.lanes, p.blocks, p.threads);
         };
         // Correctness: each row of the mma core against the engine's matvec_q4 on that row.
         for nx in [1usize, 2, 4] {

@@ -22,57 +22,19 @@
 
 mod probe;
 
-use cherenkov_cuda::gpu::{Arg, Gpu};
-use cherenkov_cuda::weights::{MV_TILED, rows_staging_bytes, tile_plan, tiled_shmem};
+use cherenkov_cuda::gpu::Gpu;
+use cherenkov_cuda::weights::{rows_staging_bytes, tile_plan, tiled_shmem};
 use probe::{GS, Mat, time};
+
+/// [`probe::engine_q4`] with blocks of 256 threads (a plan of fewer is launched with 256).
+#[allow(clippy::too_many_arguments)]
+fn engine(gpu: &Gpu, nx: usize, m: &Mat, i: usize, x: u64, y: u64, lanes: usize, blocks: usize) {
+    probe::engine_q4(gpu, nx, m, i, x, y, lanes, blocks, 256);
+}
 
 /// Measurement variants asked for (`CHERENKOV_KERNEL_DEFINES`, which the engine's compiler reads).
 fn variant() -> Option<String> {
     std::env::var("CHERENKOV_KERNEL_DEFINES").ok().filter(|d| !d.trim().is_empty())
-}
-
-/// Queues `nx` rows of x through copy `i` of `m` with `lanes` lanes a tile over `blocks` blocks of
-/// 256 threads: `matvec_q4` for one row, `matvec_q4_x{nx}` for more.
-#[allow(clippy::too_many_arguments)]
-fn launch(gpu: &Gpu, nx: usize, m: &Mat, i: usize, x: u64, y: u64, lanes: usize, blocks: usize) {
-    let (w, s, b) = m.copy(i);
-    let head = [
-        Arg::Ptr(w),
-        Arg::Ptr(s),
-        Arg::Ptr(b),
-        Arg::Ptr(x),
-        Arg::Ptr(y),
-        Arg::I32(m.rows as i32),
-        Arg::I32(m.cols as i32),
-        Arg::I32(GS as i32),
-    ];
-    let grid = (blocks as u32, 1, 1);
-    if nx == 1 {
-        let shmem = tiled_shmem(4, GS, m.cols).expect("a tiled shape") as u32;
-        let tail = [
-            Arg::I32(MV_TILED as i32 | lanes as i32),
-            Arg::Ptr(0),
-            Arg::F32(0.0),
-            Arg::I32(0),
-            Arg::Ptr(0),
-            Arg::Ptr(0),
-            Arg::I32(0),
-        ];
-        gpu.launch("matvec_q4", grid, 256, shmem, &[&head[..], &tail[..]].concat()).unwrap();
-    } else {
-        let shmem = (nx * rows_staging_bytes(m.cols)) as u32;
-        let tail = [
-            Arg::I32(lanes as i32),
-            Arg::U64(m.cols as u64),
-            Arg::U64(m.rows as u64),
-            Arg::Ptr(0),
-            Arg::Ptr(0),
-            Arg::I32(0),
-            Arg::U64(0),
-            Arg::U64(0),
-        ];
-        gpu.launch(&format!("matvec_q4_x{nx}"), grid, 256, shmem, &[&head[..], &tail[..]].concat()).unwrap();
-    }
 }
 
 #[test]
@@ -117,12 +79,12 @@ fn rows_probe() {
             for &lanes in &lanes_all {
                 let blocks = (rows / 4).div_ceil(256 / lanes);
                 for r in 0..4 {
-                    launch(&gpu, 1, &m, 0, x.ptr + (r * cols * 4) as u64, y1.ptr, lanes, blocks);
+                    engine(&gpu, 1, &m, 0, x.ptr + (r * cols * 4) as u64, y1.ptr, lanes, blocks);
                     gpu.sync().unwrap();
                     let mut one = vec![0f32; rows];
                     gpu.dtoh(y1.ptr, &mut one).unwrap();
                     for nx in [2usize, 4].into_iter().filter(|&n| n > r) {
-                        launch(&gpu, nx, &m, 0, x.ptr, y.ptr, lanes, blocks);
+                        engine(&gpu, nx, &m, 0, x.ptr, y.ptr, lanes, blocks);
                         gpu.sync().unwrap();
                         let mut many = vec![0f32; nx * rows];
                         gpu.dtoh(y.ptr, &mut many).unwrap();
@@ -142,7 +104,7 @@ fn rows_probe() {
             for nb in blocks {
                 let mut line = format!("lanes {lanes:3}, {nb:4} blocks:");
                 for (k, &nx) in ROWS.iter().enumerate() {
-                    let us = time(&gpu, |i| launch(&gpu, nx, &m, i, x.ptr, y.ptr, lanes, nb));
+                    let us = time(&gpu, |i| engine(&gpu, nx, &m, i, x.ptr, y.ptr, lanes, nb));
                     best[k] = best[k].min(us);
                     line += &format!("  {nx} row(s) {us:7.2} us");
                 }
@@ -157,7 +119,7 @@ fn rows_probe() {
                 if nx == 1 { (3, tiled_shmem(4, GS, cols).unwrap()) } else { (2, nx * rows_staging_bytes(cols)) };
             let p = tile_plan(&gpu, rows.div_ceil(4), chunks, 1, min_blocks, shmem);
             // (The launches above use 256 threads a block; a plan of fewer is timed with 256.)
-            let us = time(&gpu, |i| launch(&gpu, nx, &m, i, x.ptr, y.ptr, p.lanes, p.blocks));
+            let us = time(&gpu, |i| engine(&gpu, nx, &m, i, x.ptr, y.ptr, p.lanes, p.blocks));
             if k == 0 {
                 one_row = us;
             }

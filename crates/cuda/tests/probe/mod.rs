@@ -193,3 +193,49 @@ pub fn time(gpu: &Gpu, mut queue: impl FnMut(usize)) -> f64 {
     end.wait().unwrap();
     end.since(&start).unwrap() as f64 * 1e3 / (LAUNCHES * REPLAYS) as f64
 }
+
+/// Queues the engine's tiled 4-bit matvec over copy `i` of `m`: `nx` input rows of x (`cols`
+/// floats apart) into `nx` output rows of y (`rows` apart), with `lanes` lanes a tile over `blocks`
+/// blocks of `threads`: `matvec_q4` (`MV_TILED | lanes`) for one row, `matvec_q4_x{nx}` for 2 or 4.
+#[allow(clippy::too_many_arguments)]
+pub fn engine_q4(gpu: &Gpu, nx: usize, m: &Mat, i: usize, x: u64, y: u64, lanes: usize, blocks: usize, threads: usize) {
+    use cherenkov_cuda::gpu::Arg;
+    use cherenkov_cuda::weights::{MV_TILED, rows_staging_bytes, tiled_shmem};
+    let (w, s, b) = m.copy(i);
+    let head = [
+        Arg::Ptr(w),
+        Arg::Ptr(s),
+        Arg::Ptr(b),
+        Arg::Ptr(x),
+        Arg::Ptr(y),
+        Arg::I32(m.rows as i32),
+        Arg::I32(m.cols as i32),
+        Arg::I32(GS as i32),
+    ];
+    let grid = (blocks as u32, 1, 1);
+    let (name, shmem, tail) = if nx == 1 {
+        let tail = vec![
+            Arg::I32((MV_TILED | lanes) as i32),
+            Arg::Ptr(0),
+            Arg::F32(0.0),
+            Arg::I32(0),
+            Arg::Ptr(0),
+            Arg::Ptr(0),
+            Arg::I32(0),
+        ];
+        ("matvec_q4".to_string(), tiled_shmem(4, GS, m.cols).expect("a tiled shape"), tail)
+    } else {
+        let tail = vec![
+            Arg::I32(lanes as i32),
+            Arg::U64(m.cols as u64),
+            Arg::U64(m.rows as u64),
+            Arg::Ptr(0),
+            Arg::Ptr(0),
+            Arg::I32(0),
+            Arg::U64(0),
+            Arg::U64(0),
+        ];
+        (format!("matvec_q4_x{nx}"), nx * rows_staging_bytes(m.cols), tail)
+    };
+    gpu.launch(&name, grid, threads as u32, shmem as u32, &[&head[..], &tail[..]].concat()).unwrap();
+}
