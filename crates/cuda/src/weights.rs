@@ -133,11 +133,12 @@ impl DevLinear {
     /// `nx` input rows through W: row r of x at `x + r xstride` (bytes), its `rows` outputs where
     /// `out` puts them ([`RowsOutput`]). Where [`DevLinear::rows_in_one`], one launch whose weights
     /// serve every row (`matvec_q4_x2`, `matvec_q4_x4` in linear.cu; each row's result is the
-    /// unsplit tiled `matvec_q4`'s with the same lanes a tile, bit for bit); elsewhere stored rows take [`DevLinear::matvec`] once a row, and
-    /// injected ones are refused (they would need a scratch row). Built for a verifying forward's
-    /// rows in one pass; nothing in the forward calls it yet. (The MTP stem's four `fc_hidden`
-    /// streams, 2560 x 2560, were 0.012 ms slower a draft this way than as four launches that
-    /// split the columns: `benchmark/notes-cuda.md`, "Session 48".)
+    /// unsplit tiled `matvec_q4`'s with the same lanes a tile, bit for bit). Elsewhere stored rows
+    /// take [`DevLinear::matvec`] once a row, and injected ones are refused (they would need a
+    /// scratch row). Built for a verifying forward's rows in one pass; nothing in the forward
+    /// calls it yet. (The MTP stem's four `fc_hidden` streams, 2560 x 2560, made a draft 0.012 ms
+    /// slower this way than as four `matvec_q4` launches: `benchmark/notes-cuda.md`, "Session
+    /// 48".)
     pub fn matvec_rows(&self, gpu: &Gpu, x: u64, xstride: usize, out: RowsOutput, nx: usize) -> Result<()> {
         let (y, ystride, xres, resstride, inj, injstride, hc) = match out {
             RowsOutput::Store { y, stride } => (y, stride, 0, 0, 0, 0, 0),
@@ -1651,6 +1652,21 @@ impl DeviceWeights {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_staged_row_of_digits_takes_3_75_bytes_an_input_and_the_released_rows_fit_four_at_once() {
+        // 7 uint4 of digits a chunk of 32 inputs, and its (xs, sum) float2 padded to whole uint4.
+        assert_eq!(rows_staging_bytes(2560), 2560 * 15 / 4);
+        assert_eq!(rows_staging_bytes(6144), 6144 * 15 / 4);
+        // An odd number of chunks pads the last float2: 3 chunks are 3 x 112 + 32 bytes.
+        assert_eq!(rows_staging_bytes(96), 3 * 112 + 32);
+        // Never more than one row's float staging (what the one-row kernels are given).
+        for cols in [640, 2560, 6144] {
+            assert!(rows_staging_bytes(cols) <= tiled_shmem(4, 64, cols).unwrap());
+        }
+        // Four rows of the widest 4-bit input of the released shape (the out_proj's 6144) fit.
+        assert!(4 * rows_staging_bytes(6144) <= MAX_STAGED_X);
+    }
 
     #[test]
     fn the_tiled_cores_offsets_fit_32_bits_for_the_released_shapes_and_not_beyond() {
