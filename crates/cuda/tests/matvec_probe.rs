@@ -122,27 +122,7 @@ fn matvec_probe() {
             let mut shapes = vec![needed, needed.min(396), needed.min(264), needed.min(132)];
             shapes.dedup();
             for blocks in shapes {
-                let us = time(&gpu, |i| {
-                    let (w, s, b) = m.copy(i);
-                    let args = [
-                        Arg::Ptr(w),
-                        Arg::Ptr(s),
-                        Arg::Ptr(b),
-                        Arg::Ptr(x.ptr),
-                        Arg::Ptr(y.ptr),
-                        Arg::I32(rows as i32),
-                        Arg::I32(cols as i32),
-                        Arg::I32(GS as i32),
-                        Arg::I32(MV_TILED | lanes as i32),
-                        Arg::Ptr(0),
-                        Arg::F32(0.0),
-                        Arg::I32(0),
-                        Arg::Ptr(0),
-                        Arg::Ptr(0),
-                        Arg::I32(0),
-                    ];
-                    gpu.launch("matvec_q4", (blocks as u32, 1, 1), 256, shmem(cols), &args).unwrap();
-                });
+                let us = time(&gpu, |i| probe::engine_q4(&gpu, 1, &m, i, x.ptr, y.ptr, lanes, blocks, 256));
                 let steps = chunks.div_ceil(lanes);
                 let passes = needed.div_ceil(blocks);
                 report(

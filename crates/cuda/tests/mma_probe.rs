@@ -253,13 +253,7 @@ fn mma_probe() {
         probe::LAUNCHES,
         probe::REPLAYS
     );
-    let shapes = [
-        ("GDN in_proj qkv+z 16384x2560", 16384usize, 2560usize),
-        ("out_proj 2560x6144", 2560, 6144),
-        ("fc_hidden 2560x2560", 2560, 2560),
-        ("expert gate+up 1280x2560", 1280, 2560),
-        ("expert down 2560x640", 2560, 640),
-    ];
+    let shapes = probe::ROW_SHAPES;
     let mut failures = 0;
     for (name, rows, cols) in shapes {
         let m = Mat::new(&gpu, rows, cols);

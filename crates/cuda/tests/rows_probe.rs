@@ -58,16 +58,8 @@ fn rows_probe() {
     if let Some(v) = variant() {
         println!("(a measurement variant, {v}: results not checked)");
     }
-    // The decoder's large 4-bit projections (rows x cols): the GDN in_proj's qkv and z, the
-    // out_proj (GDN and attention), the MTP head's fc_hidden, a routed expert's gate and up
-    // (2 x 640 rows) and its down.
-    let shapes = [
-        ("GDN in_proj qkv+z 16384x2560", 16384usize, 2560usize),
-        ("out_proj 2560x6144", 2560, 6144),
-        ("fc_hidden 2560x2560", 2560, 2560),
-        ("expert gate+up 1280x2560", 1280, 2560),
-        ("expert down 2560x640", 2560, 640),
-    ];
+    // The decoder's large 4-bit projections.
+    let shapes = probe::ROW_SHAPES;
     for (name, rows, cols) in shapes {
         let m = Mat::new(&gpu, rows, cols);
         println!("\n## {name}: {} copies of {:.2} MB", m.copies.len(), m.bytes() as f64 / 1e6);

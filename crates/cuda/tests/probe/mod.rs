@@ -194,6 +194,17 @@ pub fn time(gpu: &Gpu, mut queue: impl FnMut(usize)) -> f64 {
     end.since(&start).unwrap() as f64 * 1e3 / (LAUNCHES * REPLAYS) as f64
 }
 
+/// The decoder's 4-bit matrices the rows probes time (name, rows, cols): the GDN in_proj's qkv and
+/// z, the out_proj (GDN and attention), the MTP head's fc_hidden, a routed expert's gate and up
+/// (2 x 640 rows) and its down.
+pub const ROW_SHAPES: [(&str, usize, usize); 5] = [
+    ("GDN in_proj qkv+z 16384x2560", 16384, 2560),
+    ("out_proj 2560x6144", 2560, 6144),
+    ("fc_hidden 2560x2560", 2560, 2560),
+    ("expert gate+up 1280x2560", 1280, 2560),
+    ("expert down 2560x640", 2560, 640),
+];
+
 /// Queues the engine's tiled 4-bit matvec over copy `i` of `m`: `nx` input rows of x (`cols`
 /// floats apart) into `nx` output rows of y (`rows` apart), with `lanes` lanes a tile over `blocks`
 /// blocks of `threads`: `matvec_q4` (`MV_TILED | lanes`) for one row, `matvec_q4_x{nx}` for 2 or 4.
