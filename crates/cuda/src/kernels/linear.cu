@@ -1586,44 +1586,43 @@ extern "C" __global__ void __launch_bounds__(256, 2)
 // its staging and products, not its loads. L lanes a tile; 2 blocks of 256 threads a
 // multiprocessor (the rows' sums take registers); the host gives NX rows of staged digits
 // (mvd_rows_float4s each). Each row's result is matvec_q4's on that row, bit for bit.
+template <int NX>
+__device__ __forceinline__ void matvec_q4_rows(const u32* W, const u16* S, const u16* Bi, const float* x, float* y,
+                                               int rows, int cols, int gs, int L, long long xstride,
+                                               long long ystride, float* xres, const float* inj, int hc,
+                                               long long resstride, long long injstride) {
+    typedef MvFmt<4> F;
+    const int C = cols / F::CPC, gpr = cols / gs, gshift = __ffs(gs) - 1;
+    const MvMat a{(const uint4*)W, S, Bi};
+    auto out_of = [&](int r) {
+        return MvOut{y ? y + r * ystride : nullptr, xres ? xres + r * resstride : nullptr,
+                     inj ? inj + r * injstride : nullptr, hc};
+    };
 #if MV_DP4A
-#define MATVEC_Q4_ROWS(NX)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(256, 2)                                                      \
-        matvec_q4_x##NX(const u32* W, const u16* S, const u16* Bi, const float* x, float* y, int rows, int cols, \
-                        int gs, int L, long long xstride, long long ystride, float* xres, const float* inj, int hc, \
-                        long long resstride, long long injstride) { KSPAN;                                      \
-        typedef MvFmt<4> F;                                                                                    \
-        const int C = cols / F::CPC, gpr = cols / gs, gshift = __ffs(gs) - 1;                                  \
-        const MvMat a{(const uint4*)W, S, Bi};                                                                 \
-        mv_core<4, MV_PLAIN, true, true, NX>(                                                                  \
-            a, a, x, MV_IN_NONE, rows, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,                            \
-            [&](int tile, const float* v, int r) {                                                             \
-                const MvOut o{y ? y + r * ystride : nullptr, xres ? xres + r * resstride : nullptr,           \
-                              inj ? inj + r * injstride : nullptr, hc};                                       \
-                mv_out_rows<MV_R>(o, tile * MV_R, rows, v);                                                    \
-            },                                                                                                 \
-            nullptr, MvNoPre{}, false, MvLdX{}, xstride);                                                      \
-    }
+    mv_core<4, MV_PLAIN, true, true, NX>(
+        a, a, x, MV_IN_NONE, rows, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,
+        [&](int tile, const float* v, int r) { mv_out_rows<MV_R>(out_of(r), tile * MV_R, rows, v); }, nullptr,
+        MvNoPre{}, false, MvLdX{}, xstride);
 #else
-// Without dp4a (the MV_NO_DP4A measurement variant) the float core takes the rows one pass each.
-#define MATVEC_Q4_ROWS(NX)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(256, 2)                                                      \
-        matvec_q4_x##NX(const u32* W, const u16* S, const u16* Bi, const float* x, float* y, int rows, int cols, \
-                        int gs, int L, long long xstride, long long ystride, float* xres, const float* inj, int hc, \
-                        long long resstride, long long injstride) { KSPAN;                                      \
-        typedef MvFmt<4> F;                                                                                    \
-        const int C = cols / F::CPC, gpr = cols / gs, gshift = __ffs(gs) - 1;                                  \
-        const MvMat a{(const uint4*)W, S, Bi};                                                                 \
-        grid_enter();                                                                                          \
-        for (int r = 0; r < NX; r++) {                                                                         \
-            const MvOut o{y ? y + r * ystride : nullptr, xres ? xres + r * resstride : nullptr,               \
-                          inj ? inj + r * injstride : nullptr, hc};                                           \
-            mv_core<4, MV_PLAIN>(a, a, x + r * xstride, MV_IN_NONE, rows, C, C, gpr, gshift, L, blockIdx.x,     \
-                                 gridDim.x, [&](int tile, const float* v) { mv_out_rows<MV_R>(o, tile * MV_R, rows, v); }); \
-            __syncthreads();                                                                                   \
-        }                                                                                                      \
+    // Without dp4a (the MV_NO_DP4A measurement variant) the float core takes the rows one pass each.
+    grid_enter();
+    for (int r = 0; r < NX; r++) {
+        const MvOut o = out_of(r);
+        mv_core<4, MV_PLAIN>(a, a, x + r * xstride, MV_IN_NONE, rows, C, C, gpr, gshift, L, blockIdx.x, gridDim.x,
+                             [&](int tile, const float* v) { mv_out_rows<MV_R>(o, tile * MV_R, rows, v); });
+        __syncthreads();
     }
 #endif
+}
+#define MATVEC_Q4_ROWS(NX)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256, 2)                                                      \
+        matvec_q4_x##NX(const u32* W, const u16* S, const u16* Bi, const float* x, float* y, int rows, int cols, \
+                        int gs, int L, long long xstride, long long ystride, float* xres, const float* inj, int hc, \
+                        long long resstride, long long injstride) {                                             \
+        KSPAN;                                                                                                 \
+        matvec_q4_rows<NX>(W, S, Bi, x, y, rows, cols, gs, L, xstride, ystride, xres, inj, hc, resstride,      \
+                           injstride);                                                                         \
+    }
 MATVEC_Q4_ROWS(2)
 MATVEC_Q4_ROWS(4)
 
