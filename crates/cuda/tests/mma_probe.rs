@@ -21,6 +21,16 @@
 //! per chunk). The warps' sums meet in shared memory. The chunks are summed in another order than
 //! the tiled core's, so the outputs are checked against `matvec_q4` to 1e-5 of their scale, not
 //! bit for bit.
+//!
+//! Later versions, each checked the same way and timed beside the first:
+//! - v2 spreads the epilogue over the group's four lanes (a reduce-scatter) and loads each lane's
+//!   scales a quad ahead.
+//! - v3 gives a tile S warps instead of 8 (8 / S tiles a block) and keeps P quads of weights in
+//!   flight a warp, loaded before the wait; the probe sweeps S in {1, 2, 4, 8} and P in {2, 4, 8}
+//!   and prints every setting and the best.
+//! - v4 is v3 with the scales and biases in fragment order too (`mma_relayout_sb`): a lane's two
+//!   (scale, bias) pairs of a quad are one 8-byte load from 128 contiguous bytes a tile, where v3
+//!   made eight 2-byte loads from 16 rows' scattered groups.
 
 mod probe;
 
@@ -153,16 +163,330 @@ __device__ __forceinline__ void mma_rows_core(const uint4* __restrict__ F, const
     }
 }
 
+// Version 2: the same loop with the epilogue spread over the four lanes of a group. Lane t weighs
+// its digit's sums (digit t; lane 3's columns are empty) by 256^t, and a reduce-scatter over the
+// group (3 shuffles) leaves lane t the total of one (row, input row): rows g (t < 2) or g + 8,
+// input row 2m + t % 2. Each lane loads its row's scales and biases once a quad, with the quad's
+// weights, one quad ahead; the per-chunk epilogue is then one LDS.64 and two FMAs a lane.
+template <int NX>
+__device__ __forceinline__ void mma2_rows_core(const uint4* __restrict__ F, const u16* __restrict__ S,
+                                               const u16* __restrict__ B, const float* __restrict__ x, float* y,
+                                               int rows, int cols, int gs) {
+    extern __shared__ float4 mv_smem[];
+    __shared__ float red[8][16][NX];
+    constexpr int MM = (NX + 1) / 2;
+    const int C = cols >> 5, NQ = C >> 2, gpr = cols / gs, gshift = __ffs(gs) - 1;
+    const int X4 = mvd_rows_float4s(cols);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int T = blockIdx.x;
+    // This lane's output row (within the tile) and the input rows' parity it finishes.
+    const int orow = g + 8 * (t >> 1), jj = t & 1;
+    const size_t grow = (size_t)T * 16 + orow;
+    const float wdig = t == 0 ? 1.0f : t == 1 ? 256.0f : t == 2 ? 65536.0f : 0.0f;
+    // The scale and bias of this lane's row for the 4 chunks of quad q (groups of gs inputs).
+    auto sb_of = [&](int q, u32 (&sb)[4]) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const size_t gi = grow * gpr + (((4 * q + j) << 5) >> gshift);
+            sb[j] = (u32)__ldg(S + gi) | ((u32)__ldg(B + gi) << 16);
+        }
+    };
+    int q = warp;
+    uint4 fa = make_uint4(0, 0, 0, 0), fb = fa;
+    u32 sb[4] = {0, 0, 0, 0};
+    if (q < NQ) {
+        const uint4* p = F + (((size_t)T * NQ + q) * 32 + lane) * 2;
+        fa = p[0];
+        fb = p[1];
+        sb_of(q, sb);
+    }
+    grid_enter();
+#pragma unroll
+    for (int r = 0; r < NX; r++) mvd_stage(x + (size_t)r * cols, MV_IN_NONE, mv_smem + r * X4, cols, nullptr);
+    float tot[MM];
+#pragma unroll
+    for (int m = 0; m < MM; m++) tot[m] = 0.0f;
+    const int dg = g >> 1;
+    while (q < NQ) {
+        const int qn = q + nw;
+        uint4 na = fa, nb = fb;
+        u32 sbn[4] = {sb[0], sb[1], sb[2], sb[3]};
+        if (qn < NQ) {
+            const uint4* p = F + (((size_t)T * NQ + qn) * 32 + lane) * 2;
+            na = p[0];
+            nb = p[1];
+            sb_of(qn, sbn);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int c = 4 * q + j;
+            const u32 w0 = mv_word(fa, j), w1 = mv_word(fb, j);
+            const u32 a0 = w0 & 0x0F0F0F0Fu, a2 = (w0 >> 4) & 0x0F0F0F0Fu;
+            const u32 a1 = w1 & 0x0F0F0F0Fu, a3 = (w1 >> 4) & 0x0F0F0F0Fu;
+            const float scale = __uint_as_float(sb[j] << 16), bias = __uint_as_float(sb[j] & 0xffff0000u);
+#pragma unroll
+            for (int m = 0; m < MM; m++) {
+                const int rr = 2 * m + (g & 1);
+                u32 b0 = 0, b1 = 0;
+                if (dg < 3 && rr < NX) {
+                    const u32* base = (const u32*)(mv_smem + rr * X4 + c * MVD_CHUNK) + 12 * (t >> 1) + 6 * (t & 1);
+                    b0 = base[2 * dg];
+                    b1 = base[2 * dg + 1];
+                }
+                int d[4];
+                asm volatile(
+                    "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                    "{%10,%10,%10,%10};"
+                    : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                    : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
+                // v[k]: this lane's digit's sums weighed, k = 2 (row g + 8) + input row parity.
+                float v[4];
+#pragma unroll
+                for (int k = 0; k < 4; k++) v[k] = (float)d[k] * wdig;
+                // Reduce-scatter over the group: lane t ends with the total of k = t.
+                const bool hi = t & 2;
+                const float keep0 = hi ? v[2] : v[0], keep1 = hi ? v[3] : v[1];
+                const float give0 = hi ? v[0] : v[2], give1 = hi ? v[1] : v[3];
+                const float u0 = keep0 + __shfl_xor_sync(0xffffffffu, give0, 2);
+                const float u1 = keep1 + __shfl_xor_sync(0xffffffffu, give1, 2);
+                const float sq = (jj ? u1 : u0) + __shfl_xor_sync(0xffffffffu, jj ? u0 : u1, 1);
+                const int r = 2 * m + jj;
+                if (r < NX) {
+                    const float2 mt = mvd_meta(mv_smem + r * X4, C)[c];
+                    tot[m] = fmaf(scale * mt.x, sq, fmaf(bias, mt.y, tot[m]));
+                }
+            }
+        }
+        fa = na;
+        fb = nb;
+#pragma unroll
+        for (int j = 0; j < 4; j++) sb[j] = sbn[j];
+        q = qn;
+    }
+#pragma unroll
+    for (int m = 0; m < MM; m++) {
+        const int r = 2 * m + jj;
+        if (r < NX) red[warp][orow][r] = tot[m];
+    }
+    __syncthreads();
+    if (threadIdx.x < 16 * NX) {
+        const int i = threadIdx.x & 15, r = threadIdx.x >> 4;
+        float v = 0.0f;
+        for (int w = 0; w < nw; w++) v += red[w][i][r];
+        const size_t row = (size_t)T * 16 + i;
+        if (row < (size_t)rows) y[(size_t)r * rows + row] = v;
+    }
+}
+
 #define MMA_ROWS(NX)                                                                                           \
     extern "C" __global__ void __launch_bounds__(256) mma_rows##NX(const uint4* F, const u16* S, const u16* B, \
                                                                    const float* x, float* y, int rows, int cols, \
                                                                    int gs) {                                   \
         mma_rows_core<NX>(F, S, B, x, y, rows, cols, gs);                                                      \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256) mma2_rows##NX(const uint4* F, const u16* S, const u16* B, \
+                                                                    const float* x, float* y, int rows, int cols, \
+                                                                    int gs) {                                  \
+        mma2_rows_core<NX>(F, S, B, x, y, rows, cols, gs);                                                     \
     }
 MMA_ROWS(1)
 MMA_ROWS(2)
 MMA_ROWS(4)
+
+// Version 3: version 2's arithmetic, with S warps a tile instead of 8 (8 / S tiles a block of 8
+// warps; S = 1 needs no reduction through shared memory) and P quads of weights in flight a warp
+// (loaded before the wait), so a block streams more bytes for its one staging of x.
+template <int NX>
+__device__ __forceinline__ void mma3_quad(const uint4 fa, const uint4 fb, const u32 (&sb)[4], int q, int C, int X4,
+                                          int g, int t, float (&tot)[(NX + 1) / 2]) {
+    extern __shared__ float4 mv_smem[];
+    constexpr int MM = (NX + 1) / 2;
+    const int dg = g >> 1, jj = t & 1;
+    const float wdig = t == 0 ? 1.0f : t == 1 ? 256.0f : t == 2 ? 65536.0f : 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int c = 4 * q + j;
+        const u32 w0 = mv_word(fa, j), w1 = mv_word(fb, j);
+        const u32 a0 = w0 & 0x0F0F0F0Fu, a2 = (w0 >> 4) & 0x0F0F0F0Fu;
+        const u32 a1 = w1 & 0x0F0F0F0Fu, a3 = (w1 >> 4) & 0x0F0F0F0Fu;
+        const float scale = __uint_as_float(sb[j] << 16), bias = __uint_as_float(sb[j] & 0xffff0000u);
+#pragma unroll
+        for (int m = 0; m < MM; m++) {
+            const int rr = 2 * m + (g & 1);
+            u32 b0 = 0, b1 = 0;
+            if (dg < 3 && rr < NX) {
+                const u32* base = (const u32*)(mv_smem + rr * X4 + c * MVD_CHUNK) + 12 * (t >> 1) + 6 * (t & 1);
+                b0 = base[2 * dg];
+                b1 = base[2 * dg + 1];
+            }
+            int d[4];
+            asm volatile(
+                "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                "{%10,%10,%10,%10};"
+                : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
+            float v[4];
+#pragma unroll
+            for (int k = 0; k < 4; k++) v[k] = (float)d[k] * wdig;
+            const bool hi = t & 2;
+            const float keep0 = hi ? v[2] : v[0], keep1 = hi ? v[3] : v[1];
+            const float give0 = hi ? v[0] : v[2], give1 = hi ? v[1] : v[3];
+            const float u0 = keep0 + __shfl_xor_sync(0xffffffffu, give0, 2);
+            const float u1 = keep1 + __shfl_xor_sync(0xffffffffu, give1, 2);
+            const float sq = (jj ? u1 : u0) + __shfl_xor_sync(0xffffffffu, jj ? u0 : u1, 1);
+            const int r = 2 * m + jj;
+            if (r < NX) {
+                const float2 mt = mvd_meta(mv_smem + r * X4, C)[c];
+                tot[m] = fmaf(scale * mt.x, sq, fmaf(bias, mt.y, tot[m]));
+            }
+        }
+    }
+}
+
+// Version 4 (FSB): the scales and biases in fragment order too (`mma_relayout_sb`, groups of 64
+// inputs): a tile's quad holds its 16 rows' two (scale, bias) pairs, 128 bytes, so a lane loads
+// its row's pairs with one 8-byte load instead of eight 2-byte loads spread over 16 rows.
+extern "C" __global__ void mma_relayout_sb(const u16* __restrict__ S, const u16* __restrict__ B, u32* SB, int rows,
+                                           int C) {
+    const int NQ = C >> 2, gpr = C >> 1;
+    const size_t id = (size_t)blockIdx.x * blockDim.x + threadIdx.x;  // (T, Q, o, h)
+    if (id >= (size_t)(rows >> 4) * NQ * 32) return;
+    const int h = id & 1, o = (id >> 1) & 15;
+    const size_t tq = id >> 5;
+    const int Q = tq % NQ, T = tq / NQ;
+    const size_t gi = ((size_t)T * 16 + o) * gpr + 2 * Q + h;
+    SB[id] = (u32)S[gi] | ((u32)B[gi] << 16);
+}
+
+template <int NX, int S, int P, bool FSB = false>
+__device__ __forceinline__ void mma3_rows_core(const uint4* __restrict__ F, const u16* __restrict__ Sc,
+                                               const u16* __restrict__ B, const float* __restrict__ x, float* y,
+                                               int rows, int cols, int gs) {
+    extern __shared__ float4 mv_smem[];
+    __shared__ float red[8][16][NX];
+    constexpr int MM = (NX + 1) / 2;
+    const int C = cols >> 5, NQ = C >> 2, gpr = cols / gs, gshift = __ffs(gs) - 1;
+    const int X4 = mvd_rows_float4s(cols);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int tpb = nw / S, sub = warp % S;
+    const int T = blockIdx.x * tpb + warp / S;
+    const bool live = T * 16 < rows;
+    const int orow = g + 8 * (t >> 1), jj = t & 1;
+    const size_t grow = (size_t)T * 16 + orow;
+    auto load = [&](int q, uint4& a, uint4& b, u32 (&sb)[4]) {
+        if (live && q < NQ) {
+            const uint4* p = F + (((size_t)T * NQ + q) * 32 + lane) * 2;
+            a = p[0];
+            b = p[1];
+            if constexpr (FSB) {
+                // (Sc is the relaid image then, B unused.)
+                const uint2 v = __ldg((const uint2*)Sc + ((size_t)T * NQ + q) * 16 + orow);
+                sb[0] = sb[1] = v.x;
+                sb[2] = sb[3] = v.y;
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const size_t gi = grow * gpr + (((4 * q + j) << 5) >> gshift);
+                    sb[j] = (u32)__ldg(Sc + gi) | ((u32)__ldg(B + gi) << 16);
+                }
+            }
+        }
+    };
+    uint4 fa[P], fb[P];
+    u32 sb[P][4];
+#pragma unroll
+    for (int p = 0; p < P; p++) load(sub + p * S, fa[p], fb[p], sb[p]);
+    grid_enter();
+#pragma unroll
+    for (int r = 0; r < NX; r++) mvd_stage(x + (size_t)r * cols, MV_IN_NONE, mv_smem + r * X4, cols, nullptr);
+    float tot[MM];
+#pragma unroll
+    for (int m = 0; m < MM; m++) tot[m] = 0.0f;
+    if (live) {
+        for (int q = sub; q < NQ; q += P * S) {
+#pragma unroll
+            for (int p = 0; p < P; p++) {
+                const int qq = q + p * S;
+                if (qq < NQ) mma3_quad<NX>(fa[p], fb[p], sb[p], qq, C, X4, g, t, tot);
+                load(qq + P * S, fa[p], fb[p], sb[p]);
+            }
+        }
+    }
+    if constexpr (S == 1) {
+#pragma unroll
+        for (int m = 0; m < MM; m++) {
+            const int r = 2 * m + jj;
+            if (live && r < NX && grow < (size_t)rows) y[(size_t)r * rows + grow] = tot[m];
+        }
+    } else {
+#pragma unroll
+        for (int m = 0; m < MM; m++) {
+            const int r = 2 * m + jj;
+            if (r < NX) red[warp][orow][r] = tot[m];
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < tpb * 16 * NX; i += blockDim.x) {
+            const int tl = i / (16 * NX), rem = i % (16 * NX), o = rem & 15, r = rem >> 4;
+            float v = 0.0f;
+            for (int s = 0; s < S; s++) v += red[tl * S + s][o][r];
+            const size_t row = ((size_t)blockIdx.x * tpb + tl) * 16 + o;
+            if (row < (size_t)rows) y[(size_t)r * rows + row] = v;
+        }
+    }
+}
+
+#define MMA3_ROWS(NX, S, P)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) mma3_rows##NX##_s##S##_p##P(                             \
+        const uint4* F, const u16* Sc, const u16* B, const float* x, float* y, int rows, int cols, int gs) {  \
+        mma3_rows_core<NX, S, P>(F, Sc, B, x, y, rows, cols, gs);                                              \
+    }
+#define MMA4_ROWS(NX, S, P)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) mma4_rows##NX##_s##S##_p##P(                             \
+        const uint4* F, const u16* Sc, const u16* B, const float* x, float* y, int rows, int cols, int gs) {  \
+        mma3_rows_core<NX, S, P, true>(F, Sc, B, x, y, rows, cols, gs);                                        \
+    }
+#define MMA3_ROWS_P(NX, P) MMA3_ROWS(NX, 1, P) MMA3_ROWS(NX, 2, P) MMA3_ROWS(NX, 4, P) MMA3_ROWS(NX, 8, P)
+#define MMA3_ROWS_NX(NX) MMA3_ROWS_P(NX, 2) MMA3_ROWS_P(NX, 4) MMA3_ROWS_P(NX, 8)
+#define MMA4_ROWS_P(NX, P) MMA4_ROWS(NX, 1, P) MMA4_ROWS(NX, 2, P) MMA4_ROWS(NX, 4, P) MMA4_ROWS(NX, 8, P)
+#define MMA4_ROWS_NX(NX) MMA4_ROWS_P(NX, 2) MMA4_ROWS_P(NX, 4) MMA4_ROWS_P(NX, 8)
+MMA4_ROWS_NX(1)
+MMA4_ROWS_NX(2)
+MMA4_ROWS_NX(4)
+MMA3_ROWS_NX(1)
+MMA3_ROWS_NX(2)
+MMA3_ROWS_NX(4)
 "#;
+
+/// A version-3 or -4 kernel: NX input rows, S warps a tile, P quads in flight a warp; version 4
+/// (`fsb`) reads the scales and biases in fragment order.
+#[derive(Clone, Copy)]
+struct V3 {
+    nx: usize,
+    s: usize,
+    p: usize,
+    fsb: bool,
+}
+
+impl V3 {
+    fn name(&self) -> String {
+        format!("mma{}_rows{}_s{}_p{}", if self.fsb { 4 } else { 3 }, self.nx, self.s, self.p)
+    }
+}
+
+/// Every version-3 kernel the probe compiles, then every version-4 kernel.
+const V3: [V3; 72] = {
+    let mut v = [V3 { nx: 1, s: 1, p: 2, fsb: false }; 72];
+    let (nxs, ss, ps) = ([1, 2, 4], [1, 2, 4, 8], [2, 4, 8]);
+    let mut i = 0;
+    while i < 72 {
+        let j = i % 36;
+        v[i] = V3 { nx: nxs[j / 12], s: ss[j % 4], p: ps[(j / 4) % 3], fsb: i >= 36 };
+        i += 1;
+    }
+    v
+};
 
 fn ptx(arch: &'static str) -> String {
     cherenkov_cuda::compile::compile_with_extra(arch, PROBE).unwrap_or_else(|e| panic!("{e:#}"))
@@ -177,8 +501,13 @@ fn mma_probe_kernels_compile() {
         return;
     }
     let p = ptx("sm_90");
-    let names = ["mma_relayout", "mma_rows1", "mma_rows2", "mma_rows4"];
-    for k in names {
+    let mut names: Vec<String> =
+        ["mma_relayout", "mma_rows1", "mma_rows2", "mma_rows4", "mma2_rows1", "mma2_rows2", "mma2_rows4"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+    names.extend(V3.iter().map(|v| v.name()));
+    for k in &names {
         assert!(p.contains(&format!(".entry {k}(")), "{k}");
     }
     let Some(ptxas) = std::env::var_os("CHERENKOV_PTXAS").map(std::path::PathBuf::from).filter(|p| p.is_file()) else {
@@ -200,15 +529,24 @@ fn mma_probe_kernels_compile() {
     for line in report.lines() {
         if let Some(rest) = line.split("Compiling entry function '").nth(1) {
             kernel = rest.split('\'').next().unwrap_or("?").to_string();
-        } else if kernel.starts_with("mma_rows") && (line.contains("spill stores") || line.contains("registers")) {
+        } else if (kernel.starts_with("mma_rows")
+            || kernel.starts_with("mma2_rows")
+            || kernel.starts_with("mma3_rows")
+            || kernel.starts_with("mma4_rows"))
+            && (line.contains("spill stores") || line.contains("registers"))
+        {
             eprintln!("{kernel}: {}", line.trim());
             if line.contains("spill stores") {
-                assert!(line.contains(" 0 bytes spill stores"), "{kernel} spills: {line}");
+                // Version 3's settings are a sweep: a few bytes of spill there are reported, not fatal.
+                let small = (kernel.starts_with("mma3_rows") || kernel.starts_with("mma4_rows"))
+                    && line.split(" bytes spill stores").next().and_then(|s| s.rsplit(' ').next()?.parse::<u32>().ok())
+                        <= Some(16);
+                assert!(line.contains(" 0 bytes spill stores") || small, "{kernel} spills: {line}");
                 reported += 1;
             }
         }
     }
-    assert_eq!(reported, 3, "ptxas's report:\n{report}");
+    assert_eq!(reported, names.len() - 1, "ptxas's report:\n{report}");
 }
 
 #[test]
@@ -222,15 +560,22 @@ fn mma_probe() {
     // SAFETY: a NUL-terminated PTX image holding the engine's kernels and the probe's.
     let module =
         unsafe { cudarc::driver::result::module::load_data(image.as_ptr() as *const std::ffi::c_void).unwrap() };
-    let funcs: Vec<_> = ["mma_relayout", "mma_rows1", "mma_rows2", "mma_rows4"]
+    let mut names: Vec<String> =
+        ["mma_relayout", "mma_rows1", "mma_rows2", "mma_rows4", "mma2_rows1", "mma2_rows2", "mma2_rows4"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+    names.extend(V3.iter().map(|v| v.name()));
+    names.push("mma_relayout_sb".into());
+    let funcs: Vec<_> = names
         .iter()
         // SAFETY: the module is loaded and holds each name.
         .map(|k| unsafe {
-            cudarc::driver::result::module::get_function(module, std::ffi::CString::new(*k).unwrap()).unwrap()
+            cudarc::driver::result::module::get_function(module, std::ffi::CString::new(k.as_str()).unwrap()).unwrap()
         })
         .collect();
     // The probe's own module: its kernels' dynamic shared memory above 48 KiB (4 staged rows).
-    for f in &funcs[1..] {
+    for f in &funcs[1..funcs.len() - 1] {
         // SAFETY: setting an attribute of a loaded function.
         unsafe {
             cudarc::driver::result::function::set_function_attribute(
@@ -278,15 +623,39 @@ fn mma_probe() {
                 f
             })
             .collect();
+        // Each copy's scales and biases in fragment order (version 4; groups of 64 inputs).
+        assert_eq!(GS, 64, "mma_relayout_sb packs two groups a quad");
+        let sbfrag: Vec<_> = (0..m.copies.len())
+            .map(|i| {
+                let n = (rows / 16) * (chunks / 4) * 32;
+                let f = gpu.alloc(n * 4, "probe scale fragments").unwrap();
+                let (_, s, b) = m.copy(i);
+                // SAFETY: mma_relayout_sb(S, B, SB, rows, C) over copy i, SB of n u32.
+                unsafe {
+                    probe::launch(
+                        &gpu,
+                        funcs[funcs.len() - 1],
+                        n.div_ceil(256) as u32,
+                        256,
+                        1,
+                        &[Arg::Ptr(s), Arg::Ptr(b), Arg::Ptr(f.ptr), Arg::I32(rows as i32), Arg::I32(chunks as i32)],
+                    )
+                    .unwrap()
+                };
+                f
+            })
+            .collect();
         gpu.sync().unwrap();
         println!("\n## {name}: {} copies of {:.2} MB", m.copies.len(), m.bytes() as f64 / 1e6);
-        let mma = |nx: usize, i: usize, yp: u64| {
+        // Version v (1 or 2) of the mma core.
+        let mma = |v: usize, nx: usize, i: usize, yp: u64| {
             let (_, s, b) = m.copy(i);
-            let k = match nx {
-                1 => 1,
-                2 => 2,
-                _ => 3,
-            };
+            let k = 3 * (v - 1)
+                + match nx {
+                    1 => 1,
+                    2 => 2,
+                    _ => 3,
+                };
             let args = [
                 Arg::Ptr(frag[i % frag.len()].ptr),
                 Arg::Ptr(s),
@@ -302,6 +671,30 @@ fn mma_probe() {
             unsafe { gpu.launch_function(funcs[k], "mma_rows", ((rows / 16) as u32, 1, 1), 256, smem, &args, true) }
                 .unwrap();
         };
+        // Version 3, kernel k of V3, blocks of `threads`.
+        let mma3 = |k: usize, threads: usize, i: usize, yp: u64| {
+            let v = V3[k];
+            let (_, s, b) = m.copy(i);
+            let s = if v.fsb { sbfrag[i % sbfrag.len()].ptr } else { s };
+            let args = [
+                Arg::Ptr(frag[i % frag.len()].ptr),
+                Arg::Ptr(s),
+                Arg::Ptr(b),
+                Arg::Ptr(x.ptr),
+                Arg::Ptr(yp),
+                Arg::I32(rows as i32),
+                Arg::I32(cols as i32),
+                Arg::I32(GS as i32),
+            ];
+            let tpb = threads / 32 / v.s;
+            let grid = (rows / 16).div_ceil(tpb) as u32;
+            let smem = (v.nx * rows_staging_bytes(cols)) as u32;
+            // SAFETY: mma3_rowsNX_sS_pP(F, S, B, x, y, rows, cols, gs) over copy i in fragment order.
+            unsafe { gpu.launch_function(funcs[7 + k], "mma3_rows", (grid, 1, 1), threads as u32, smem, &args, true) }
+                .unwrap();
+        };
+        // The version-3 and -4 settings tried: every kernel, blocks of 256 threads (128 never won).
+        let v3_runs: Vec<(usize, usize)> = (0..V3.len()).map(|k| (k, 256usize)).collect();
         // The engine's kernels with its plans: matvec_q4 (one row at a time) and matvec_q4_x{nx}.
         let engine = |nx: usize, i: usize, yp: u64| {
             let (min_blocks, shmem) =
@@ -310,8 +703,8 @@ fn mma_probe() {
             probe::engine_q4(&gpu, nx, &m, i, x.ptr, yp, p.lanes, p.blocks, p.threads);
         };
         // Correctness: each row of the mma core against the engine's matvec_q4 on that row.
-        for nx in [1usize, 2, 4] {
-            mma(nx, 0, y.ptr);
+        for (v, nx) in [1usize, 2].into_iter().flat_map(|v| [1usize, 2, 4].map(|nx| (v, nx))) {
+            mma(v, nx, 0, y.ptr);
             engine(nx, 0, y1.ptr);
             gpu.sync().unwrap();
             let (mut a, mut b) = (vec![0f32; nx * rows], vec![0f32; nx * rows]);
@@ -322,28 +715,79 @@ fn mma_probe() {
             // Said and counted, not asserted at once: one run on the GPU machine reports every shape.
             if worst > 1e-5 * scale.max(1.0) {
                 println!(
-                    "WRONG: mma_rows{nx} against the engine: {worst} (scale {scale}); first rows {:?} against {:?}",
+                    "WRONG: mma core {v}, {nx} rows, against the engine: {worst} (scale {scale}); first rows {:?} against {:?}",
                     &a[..4],
                     &b[..4]
                 );
                 failures += 1;
             }
         }
+        for &(k, th) in &v3_runs {
+            let nx = V3[k].nx;
+            mma3(k, th, 0, y.ptr);
+            engine(nx, 0, y1.ptr);
+            gpu.sync().unwrap();
+            let (mut a, mut b) = (vec![0f32; nx * rows], vec![0f32; nx * rows]);
+            gpu.dtoh(y.ptr, &mut a).unwrap();
+            gpu.dtoh(y1.ptr, &mut b).unwrap();
+            let worst = a.iter().zip(&b).fold(0f32, |w, (p, q)| w.max((p - q).abs()));
+            let scale = b.iter().fold(0f32, |w, v| w.max(v.abs()));
+            if worst > 1e-5 * scale.max(1.0) {
+                println!(
+                    "WRONG: {} ({th} threads) against the engine: {worst} (scale {scale}); first rows {:?} against {:?}",
+                    V3[k].name(),
+                    &a[..4],
+                    &b[..4]
+                );
+                failures += 1;
+            }
+        }
+        // Versions 3 and 4: every setting's time, and the best for each version and number of rows.
+        let mut best: [(f64, String); 6] = std::array::from_fn(|_| (f64::MAX, String::new()));
+        let mut all = String::new();
+        for &(k, th) in &v3_runs {
+            let us = time(&gpu, |i| mma3(k, th, i, y.ptr));
+            let v = V3[k];
+            let slot = match v.nx {
+                1 => 0,
+                2 => 1,
+                _ => 2,
+            } + if v.fsb { 3 } else { 0 };
+            let label = format!("v{} s{} p{} {th}t", if v.fsb { 4 } else { 3 }, v.s, v.p);
+            all += &format!(" {}r {label} {us:.2};", v.nx);
+            if us < best[slot].0 {
+                best[slot] = (us, label);
+            }
+        }
+        println!("v3/v4 all:{all}");
+        for (v, b) in [(3, &best[..3]), (4, &best[3..])] {
+            println!(
+                "v{v} best: 1 row {:.2} us ({}), 2 rows {:.2} us ({}), 4 rows {:.2} us ({})",
+                b[0].0, b[0].1, b[1].0, b[1].1, b[2].0, b[2].1
+            );
+        }
         let mut line = String::new();
-        let mut one = (0.0, 0.0);
+        let mut one = (0.0, 0.0, 0.0);
         for nx in [1usize, 2, 4] {
-            let a = time(&gpu, |i| mma(nx, i, y.ptr));
+            let a = time(&gpu, |i| mma(1, nx, i, y.ptr));
+            let a2 = time(&gpu, |i| mma(2, nx, i, y.ptr));
             let b = time(&gpu, |i| engine(nx, i, y1.ptr));
             if nx == 1 {
-                one = (a, b);
+                one = (a, a2, b);
             }
-            line += &format!("  {nx} row(s): mma {a:.2} us ({:.2}x), engine {b:.2} us ({:.2}x)", a / one.0, b / one.1);
+            line += &format!(
+                "  {nx} row(s): mma {a:.2} us ({:.2}x), mma v2 {a2:.2} us ({:.2}x), engine {b:.2} us ({:.2}x)",
+                a / one.0,
+                a2 / one.1,
+                b / one.2
+            );
         }
         println!("{}", line.trim_start());
         println!(
-            "one row: mma {:.0} GB/s, engine {:.0} GB/s",
+            "one row: mma {:.0} GB/s, mma v2 {:.0} GB/s, engine {:.0} GB/s",
             m.bytes() as f64 / (one.0 * 1e-6) / 1e9,
-            m.bytes() as f64 / (one.1 * 1e-6) / 1e9
+            m.bytes() as f64 / (one.1 * 1e-6) / 1e9,
+            m.bytes() as f64 / (one.2 * 1e-6) / 1e9
         );
     }
     assert_eq!(failures, 0, "the mma core disagreed with the engine (above)");
