@@ -31,6 +31,10 @@
 //! - v4 is v3 with the scales and biases in fragment order too (`mma_relayout_sb`): a lane's two
 //!   (scale, bias) pairs of a quad are one 8-byte load from 128 contiguous bytes a tile, where v3
 //!   made eight 2-byte loads from 16 rows' scattered groups.
+//! - v5 is v4 with x staged with one scale a group of 64 inputs (`mvd_stage64`): a group's two
+//!   chunks sum as integers in the mma's accumulator and the epilogue runs once a group.
+//!
+//! The sweep now compiles v4 and v5 (v3 was never faster than v4).
 
 mod probe;
 
@@ -297,35 +301,41 @@ MMA_ROWS(4)
 // Version 3: version 2's arithmetic, with S warps a tile instead of 8 (8 / S tiles a block of 8
 // warps; S = 1 needs no reduction through shared memory) and P quads of weights in flight a warp
 // (loaded before the wait), so a block streams more bytes for its one staging of x.
-template <int NX>
+template <int NX, bool G64 = false>
 __device__ __forceinline__ void mma3_quad(const uint4 fa, const uint4 fb, const u32 (&sb)[4], int q, int C, int X4,
                                           int g, int t, float (&tot)[(NX + 1) / 2]) {
     extern __shared__ float4 mv_smem[];
     constexpr int MM = (NX + 1) / 2;
     const int dg = g >> 1, jj = t & 1;
     const float wdig = t == 0 ? 1.0f : t == 1 ? 256.0f : t == 2 ? 65536.0f : 0.0f;
+    // G64 (v5): the two chunks of a group of 64 sum as integers in the mma's accumulator, and the
+    // epilogue runs once a group (x staged with one scale a group: mvd_stage64).
+    constexpr int CH = G64 ? 2 : 1;
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
-        const int c = 4 * q + j;
-        const u32 w0 = mv_word(fa, j), w1 = mv_word(fb, j);
-        const u32 a0 = w0 & 0x0F0F0F0Fu, a2 = (w0 >> 4) & 0x0F0F0F0Fu;
-        const u32 a1 = w1 & 0x0F0F0F0Fu, a3 = (w1 >> 4) & 0x0F0F0F0Fu;
-        const float scale = __uint_as_float(sb[j] << 16), bias = __uint_as_float(sb[j] & 0xffff0000u);
+    for (int j0 = 0; j0 < 4; j0 += CH) {
+        const float scale = __uint_as_float(sb[j0] << 16), bias = __uint_as_float(sb[j0] & 0xffff0000u);
 #pragma unroll
         for (int m = 0; m < MM; m++) {
             const int rr = 2 * m + (g & 1);
-            u32 b0 = 0, b1 = 0;
-            if (dg < 3 && rr < NX) {
-                const u32* base = (const u32*)(mv_smem + rr * X4 + c * MVD_CHUNK) + 12 * (t >> 1) + 6 * (t & 1);
-                b0 = base[2 * dg];
-                b1 = base[2 * dg + 1];
+            int d[4] = {0, 0, 0, 0};
+#pragma unroll
+            for (int j = j0; j < j0 + CH; j++) {
+                const int c = 4 * q + j;
+                const u32 w0 = mv_word(fa, j), w1 = mv_word(fb, j);
+                const u32 a0 = w0 & 0x0F0F0F0Fu, a2 = (w0 >> 4) & 0x0F0F0F0Fu;
+                const u32 a1 = w1 & 0x0F0F0F0Fu, a3 = (w1 >> 4) & 0x0F0F0F0Fu;
+                u32 b0 = 0, b1 = 0;
+                if (dg < 3 && rr < NX) {
+                    const u32* base = (const u32*)(mv_smem + rr * X4 + c * MVD_CHUNK) + 12 * (t >> 1) + 6 * (t & 1);
+                    b0 = base[2 * dg];
+                    b1 = base[2 * dg + 1];
+                }
+                asm volatile(
+                    "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                    "{%0,%1,%2,%3};"
+                    : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+                    : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
             }
-            int d[4];
-            asm volatile(
-                "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                "{%10,%10,%10,%10};"
-                : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
             float v[4];
 #pragma unroll
             for (int k = 0; k < 4; k++) v[k] = (float)d[k] * wdig;
@@ -337,11 +347,50 @@ __device__ __forceinline__ void mma3_quad(const uint4 fa, const uint4 fb, const 
             const float sq = (jj ? u1 : u0) + __shfl_xor_sync(0xffffffffu, jj ? u0 : u1, 1);
             const int r = 2 * m + jj;
             if (r < NX) {
-                const float2 mt = mvd_meta(mv_smem + r * X4, C)[c];
+                const float2 mt = mvd_meta(mv_smem + r * X4, C)[4 * q + j0];
                 tot[m] = fmaf(scale * mt.x, sq, fmaf(bias, mt.y, tot[m]));
             }
         }
     }
+}
+
+// x staged as mvd_stage does (the same digits and layout, no input transform), but each chunk's
+// scale is its group's of 64 inputs (16 threads' float4s), and meta[c] = (that scale, the group's
+// sum) for both chunks of a group (v5). cols a multiple of 64, blockDim.x of 32.
+__device__ __forceinline__ void mvd_stage64(const float* __restrict__ x, float4* sm, int cols) {
+    const int n4 = cols >> 2, chunks = cols >> 5;
+    u16* dig = (u16*)sm;
+    float2* meta = (float2*)mvd_meta(sm, chunks);
+    for (int base = 0; base < n4; base += blockDim.x) {
+        const int i = base + threadIdx.x;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (i < n4) v = ((const float4*)x)[i];
+        float s = (v.x + v.y) + (v.z + v.w);
+        float mx = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+        for (int o = 1; o < 16; o <<= 1) {
+            s += __shfl_xor_sync(0xffffffffu, s, o);
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        }
+        if (i < n4) {
+            const float inv = mx > 0.0f ? MVD_QMAX / mx : 0.0f;
+            const int qx = __float_as_int(fmaf(v.x, inv, 12582912.0f)) - 0x4B400000;
+            const int qy = __float_as_int(fmaf(v.y, inv, 12582912.0f)) - 0x4B400000;
+            const int qz = __float_as_int(fmaf(v.z, inv, 12582912.0f)) - 0x4B400000;
+            const int qw = __float_as_int(fmaf(v.w, inv, 12582912.0f)) - 0x4B400000;
+            const int c = i >> 3, k = (i >> 1) & 3, h = i & 1;
+            u16* w = dig + (c * MVD_CHUNK * 16 + k * 24) / 2 + h;
+            const int e0 = qx, e1 = qz, o0 = qy, o1 = qw;
+            w[0] = (u16)__byte_perm(e0, e1, 0x0040);
+            w[2] = (u16)__byte_perm(o0, o1, 0x0040);
+            w[4] = (u16)__byte_perm((e0 + 128) >> 8, (e1 + 128) >> 8, 0x0040);
+            w[6] = (u16)__byte_perm((o0 + 128) >> 8, (o1 + 128) >> 8, 0x0040);
+            w[8] = (u16)__byte_perm((e0 + 32896) >> 16, (e1 + 32896) >> 16, 0x0040);
+            w[10] = (u16)__byte_perm((o0 + 32896) >> 16, (o1 + 32896) >> 16, 0x0040);
+            if ((i & 7) == 0) meta[c] = make_float2(mx / MVD_QMAX, s);
+        }
+    }
+    __syncthreads();
 }
 
 // Version 4 (FSB): the scales and biases in fragment order too (`mma_relayout_sb`, groups of 64
@@ -359,7 +408,7 @@ extern "C" __global__ void mma_relayout_sb(const u16* __restrict__ S, const u16*
     SB[id] = (u32)S[gi] | ((u32)B[gi] << 16);
 }
 
-template <int NX, int S, int P, bool FSB = false>
+template <int NX, int S, int P, bool FSB = false, bool G64 = false>
 __device__ __forceinline__ void mma3_rows_core(const uint4* __restrict__ F, const u16* __restrict__ Sc,
                                                const u16* __restrict__ B, const float* __restrict__ x, float* y,
                                                int rows, int cols, int gs) {
@@ -400,7 +449,13 @@ __device__ __forceinline__ void mma3_rows_core(const uint4* __restrict__ F, cons
     for (int p = 0; p < P; p++) load(sub + p * S, fa[p], fb[p], sb[p]);
     grid_enter();
 #pragma unroll
-    for (int r = 0; r < NX; r++) mvd_stage(x + (size_t)r * cols, MV_IN_NONE, mv_smem + r * X4, cols, nullptr);
+    for (int r = 0; r < NX; r++) {
+        if constexpr (G64) {
+            mvd_stage64(x + (size_t)r * cols, mv_smem + r * X4, cols);
+        } else {
+            mvd_stage(x + (size_t)r * cols, MV_IN_NONE, mv_smem + r * X4, cols, nullptr);
+        }
+    }
     float tot[MM];
 #pragma unroll
     for (int m = 0; m < MM; m++) tot[m] = 0.0f;
@@ -409,7 +464,7 @@ __device__ __forceinline__ void mma3_rows_core(const uint4* __restrict__ F, cons
 #pragma unroll
             for (int p = 0; p < P; p++) {
                 const int qq = q + p * S;
-                if (qq < NQ) mma3_quad<NX>(fa[p], fb[p], sb[p], qq, C, X4, g, t, tot);
+                if (qq < NQ) mma3_quad<NX, G64>(fa[p], fb[p], sb[p], qq, C, X4, g, t, tot);
                 load(qq + P * S, fa[p], fb[p], sb[p]);
             }
         }
@@ -447,6 +502,13 @@ __device__ __forceinline__ void mma3_rows_core(const uint4* __restrict__ F, cons
         const uint4* F, const u16* Sc, const u16* B, const float* x, float* y, int rows, int cols, int gs) {  \
         mma3_rows_core<NX, S, P, true>(F, Sc, B, x, y, rows, cols, gs);                                        \
     }
+#define MMA5_ROWS(NX, S, P)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) mma5_rows##NX##_s##S##_p##P(                             \
+        const uint4* F, const u16* Sc, const u16* B, const float* x, float* y, int rows, int cols, int gs) {  \
+        mma3_rows_core<NX, S, P, true, true>(F, Sc, B, x, y, rows, cols, gs);                                  \
+    }
+#define MMA5_ROWS_P(NX, P) MMA5_ROWS(NX, 1, P) MMA5_ROWS(NX, 2, P) MMA5_ROWS(NX, 4, P) MMA5_ROWS(NX, 8, P)
+#define MMA5_ROWS_NX(NX) MMA5_ROWS_P(NX, 2) MMA5_ROWS_P(NX, 4) MMA5_ROWS_P(NX, 8)
 #define MMA3_ROWS_P(NX, P) MMA3_ROWS(NX, 1, P) MMA3_ROWS(NX, 2, P) MMA3_ROWS(NX, 4, P) MMA3_ROWS(NX, 8, P)
 #define MMA3_ROWS_NX(NX) MMA3_ROWS_P(NX, 2) MMA3_ROWS_P(NX, 4) MMA3_ROWS_P(NX, 8)
 #define MMA4_ROWS_P(NX, P) MMA4_ROWS(NX, 1, P) MMA4_ROWS(NX, 2, P) MMA4_ROWS(NX, 4, P) MMA4_ROWS(NX, 8, P)
@@ -454,35 +516,37 @@ __device__ __forceinline__ void mma3_rows_core(const uint4* __restrict__ F, cons
 MMA4_ROWS_NX(1)
 MMA4_ROWS_NX(2)
 MMA4_ROWS_NX(4)
-MMA3_ROWS_NX(1)
-MMA3_ROWS_NX(2)
-MMA3_ROWS_NX(4)
+MMA5_ROWS_NX(1)
+MMA5_ROWS_NX(2)
+MMA5_ROWS_NX(4)
 "#;
 
-/// A version-3 or -4 kernel: NX input rows, S warps a tile, P quads in flight a warp; version 4
-/// (`fsb`) reads the scales and biases in fragment order.
+/// A kernel of version 4 or 5 (v3's loop): NX input rows, S warps a tile, P quads in flight a
+/// warp; both read the scales and biases in fragment order, version 5 also sums a group's two
+/// chunks in the accumulator over x staged with one scale a group.
 #[derive(Clone, Copy)]
 struct V3 {
     nx: usize,
     s: usize,
     p: usize,
-    fsb: bool,
+    v: usize,
 }
 
 impl V3 {
     fn name(&self) -> String {
-        format!("mma{}_rows{}_s{}_p{}", if self.fsb { 4 } else { 3 }, self.nx, self.s, self.p)
+        format!("mma{}_rows{}_s{}_p{}", self.v, self.nx, self.s, self.p)
     }
 }
 
-/// Every version-3 kernel the probe compiles, then every version-4 kernel.
+/// Every version-4 kernel the probe compiles, then every version-5 kernel. (Version 3's, v4 with
+/// scattered scales, are no longer compiled: v4 was as fast or faster in every setting.)
 const V3: [V3; 72] = {
-    let mut v = [V3 { nx: 1, s: 1, p: 2, fsb: false }; 72];
+    let mut v = [V3 { nx: 1, s: 1, p: 2, v: 4 }; 72];
     let (nxs, ss, ps) = ([1, 2, 4], [1, 2, 4, 8], [2, 4, 8]);
     let mut i = 0;
     while i < 72 {
         let j = i % 36;
-        v[i] = V3 { nx: nxs[j / 12], s: ss[j % 4], p: ps[(j / 4) % 3], fsb: i >= 36 };
+        v[i] = V3 { nx: nxs[j / 12], s: ss[j % 4], p: ps[(j / 4) % 3], v: if i < 36 { 4 } else { 5 } };
         i += 1;
     }
     v
@@ -529,16 +593,13 @@ fn mma_probe_kernels_compile() {
     for line in report.lines() {
         if let Some(rest) = line.split("Compiling entry function '").nth(1) {
             kernel = rest.split('\'').next().unwrap_or("?").to_string();
-        } else if (kernel.starts_with("mma_rows")
-            || kernel.starts_with("mma2_rows")
-            || kernel.starts_with("mma3_rows")
-            || kernel.starts_with("mma4_rows"))
+        } else if (kernel.starts_with("mma") && !kernel.starts_with("mma_relayout"))
             && (line.contains("spill stores") || line.contains("registers"))
         {
             eprintln!("{kernel}: {}", line.trim());
             if line.contains("spill stores") {
                 // Version 3's settings are a sweep: a few bytes of spill there are reported, not fatal.
-                let small = (kernel.starts_with("mma3_rows") || kernel.starts_with("mma4_rows"))
+                let small = (kernel.starts_with("mma4_rows") || kernel.starts_with("mma5_rows"))
                     && line.split(" bytes spill stores").next().and_then(|s| s.rsplit(' ').next()?.parse::<u32>().ok())
                         <= Some(16);
                 assert!(line.contains(" 0 bytes spill stores") || small, "{kernel} spills: {line}");
@@ -675,7 +736,7 @@ fn mma_probe() {
         let mma3 = |k: usize, threads: usize, i: usize, yp: u64| {
             let v = V3[k];
             let (_, s, b) = m.copy(i);
-            let s = if v.fsb { sbfrag[i % sbfrag.len()].ptr } else { s };
+            let s = if v.v >= 4 { sbfrag[i % sbfrag.len()].ptr } else { s };
             let args = [
                 Arg::Ptr(frag[i % frag.len()].ptr),
                 Arg::Ptr(s),
@@ -752,15 +813,15 @@ fn mma_probe() {
                 1 => 0,
                 2 => 1,
                 _ => 2,
-            } + if v.fsb { 3 } else { 0 };
-            let label = format!("v{} s{} p{} {th}t", if v.fsb { 4 } else { 3 }, v.s, v.p);
+            } + if v.v == 5 { 3 } else { 0 };
+            let label = format!("v{} s{} p{} {th}t", v.v, v.s, v.p);
             all += &format!(" {}r {label} {us:.2};", v.nx);
             if us < best[slot].0 {
                 best[slot] = (us, label);
             }
         }
-        println!("v3/v4 all:{all}");
-        for (v, b) in [(3, &best[..3]), (4, &best[3..])] {
+        println!("v4/v5 all:{all}");
+        for (v, b) in [(4, &best[..3]), (5, &best[3..])] {
             println!(
                 "v{v} best: 1 row {:.2} us ({}), 2 rows {:.2} us ({}), 4 rows {:.2} us ({})",
                 b[0].0, b[0].1, b[1].0, b[1].1, b[2].0, b[2].1
