@@ -651,15 +651,23 @@ fn mma_probe() {
     let xv: Vec<f32> =
         (0..4 * 6144).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0 + (i / 6144) as f32 * 0.01).collect();
     gpu.htod(x.ptr, &xv).unwrap();
-    let y = gpu.zeros(4 * 16384 * 4, "probe y").unwrap();
-    let y1 = gpu.zeros(4 * 16384 * 4, "probe y, engine").unwrap();
+    let y = gpu.zeros(4 * 28160 * 4, "probe y").unwrap();
+    let y1 = gpu.zeros(4 * 28160 * 4, "probe y, engine").unwrap();
     println!(
         "# mma probe on {}: us per launch, graphs of {} launches with PDL, {} replays",
         gpu.info.name,
         probe::LAUNCHES,
         probe::REPLAYS
     );
-    let shapes = probe::ROW_SHAPES;
+    // The rows probes' shapes, then two stand-ins for the engine's expert launches over a table of
+    // 11 experts (10 routed and the shared one): their gate/up rows share x, so the launch is one
+    // matrix of 11 x 1280 rows; their downs are 11 matrices over their own x, stood in for by one
+    // of 11 x 2560 rows over one x.
+    let shapes: Vec<(&str, usize, usize)> = probe::ROW_SHAPES
+        .into_iter()
+        .chain([("11 experts' gate+up 14080x2560", 14080, 2560), ("11 experts' down 28160x640", 28160, 640)])
+        .collect();
+    assert!(shapes.iter().all(|s| s.1 <= 28160), "y holds 4 rows of at most 28160");
     let mut failures = 0;
     for (name, rows, cols) in shapes {
         let m = Mat::new(&gpu, rows, cols);
