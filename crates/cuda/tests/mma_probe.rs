@@ -34,7 +34,11 @@
 //! - v5 is v4 with x staged with one scale a group of 64 inputs (`mvd_stage64`): a group's two
 //!   chunks sum as integers in the mma's accumulator and the epilogue runs once a group.
 //!
-//! The sweep now compiles v4 and v5 (v3 was never faster than v4).
+//! - v6 is v5 over the weights, scales and biases as stored: a group's 32 bytes a row are read by
+//!   the group's four lanes, 8 each, and the mma's k slots follow that order (B reads the matching
+//!   digits), so no relayout is needed and the engine's records could be used as they are.
+//!
+//! The sweep now compiles v5 and v6 (v3 and v4 were never faster than the next version).
 
 mod probe;
 
@@ -513,17 +517,160 @@ __device__ __forceinline__ void mma3_rows_core(const uint4* __restrict__ F, cons
 #define MMA3_ROWS_NX(NX) MMA3_ROWS_P(NX, 2) MMA3_ROWS_P(NX, 4) MMA3_ROWS_P(NX, 8)
 #define MMA4_ROWS_P(NX, P) MMA4_ROWS(NX, 1, P) MMA4_ROWS(NX, 2, P) MMA4_ROWS(NX, 4, P) MMA4_ROWS(NX, 8, P)
 #define MMA4_ROWS_NX(NX) MMA4_ROWS_P(NX, 2) MMA4_ROWS_P(NX, 4) MMA4_ROWS_P(NX, 8)
-MMA4_ROWS_NX(1)
-MMA4_ROWS_NX(2)
-MMA4_ROWS_NX(4)
 MMA5_ROWS_NX(1)
 MMA5_ROWS_NX(2)
 MMA5_ROWS_NX(4)
+
+// Version 6: v5's arithmetic over the weights and scales as stored (row-major 4-bit rows, scales
+// and biases row-major a group), no relayout. The mma's k slots need not follow the inputs'
+// order, only agree between A and B: for group h of a quad, lane (g, t) loads the 8 bytes at 8t of
+// rows g and g + 8 (words 2t and 2t + 1 of the group's 8: 32 contiguous bytes a row across the
+// four lanes), the first mma takes words 2t, the second words 2t + 1, and B reads the digits of
+// those words from mvd_stage's layout. Both mmas stay inside the group, so v5's per-group epilogue
+// holds. A lane's row's scales and biases for the quad's two groups are one u32 each.
+template <int NX>
+__device__ __forceinline__ void mma6_quad(const uint2 (&ra)[2], const uint2 (&rb)[2], u32 sc, u32 bi, int q, int C,
+                                          int X4, int g, int t, float (&tot)[(NX + 1) / 2]) {
+    extern __shared__ float4 mv_smem[];
+    constexpr int MM = (NX + 1) / 2;
+    const int dg = g >> 1, jj = t & 1;
+    const float wdig = t == 0 ? 1.0f : t == 1 ? 256.0f : t == 2 ? 65536.0f : 0.0f;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int grp = 2 * q + h;
+        const float scale = __uint_as_float((h ? sc >> 16 : sc & 0xffffu) << 16);
+        const float bias = __uint_as_float((h ? bi >> 16 : bi & 0xffffu) << 16);
+#pragma unroll
+        for (int m = 0; m < MM; m++) {
+            const int rr = 2 * m + (g & 1);
+            int d[4] = {0, 0, 0, 0};
+#pragma unroll
+            for (int k = 0; k < 2; k++) {
+                const u32 w0 = k ? ra[h].y : ra[h].x, w1 = k ? rb[h].y : rb[h].x;
+                const u32 a0 = w0 & 0x0F0F0F0Fu, a2 = (w0 >> 4) & 0x0F0F0F0Fu;
+                const u32 a1 = w1 & 0x0F0F0F0Fu, a3 = (w1 >> 4) & 0x0F0F0F0Fu;
+                u32 b0 = 0, b1 = 0;
+                if (dg < 3 && rr < NX) {
+                    // This lane's B slots are those of group word 2t + k (chunk 2 grp + (2t + k) / 4).
+                    const int wd = 2 * t + k;
+                    const u32* base = (const u32*)(mv_smem + rr * X4 + (2 * grp + (wd >> 2)) * MVD_CHUNK) + 6 * (wd & 3);
+                    b0 = base[2 * dg];
+                    b1 = base[2 * dg + 1];
+                }
+                asm volatile(
+                    "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                    "{%0,%1,%2,%3};"
+                    : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+                    : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+            }
+            float v[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) v[i] = (float)d[i] * wdig;
+            const bool hi = t & 2;
+            const float keep0 = hi ? v[2] : v[0], keep1 = hi ? v[3] : v[1];
+            const float give0 = hi ? v[0] : v[2], give1 = hi ? v[1] : v[3];
+            const float u0 = keep0 + __shfl_xor_sync(0xffffffffu, give0, 2);
+            const float u1 = keep1 + __shfl_xor_sync(0xffffffffu, give1, 2);
+            const float sq = (jj ? u1 : u0) + __shfl_xor_sync(0xffffffffu, jj ? u0 : u1, 1);
+            const int r = 2 * m + jj;
+            if (r < NX) {
+                const float2 mt = mvd_meta(mv_smem + r * X4, C)[2 * grp];
+                tot[m] = fmaf(scale * mt.x, sq, fmaf(bias, mt.y, tot[m]));
+            }
+        }
+    }
+}
+
+template <int NX, int S, int P>
+__device__ __forceinline__ void mma6_rows_core(const u32* __restrict__ W, const u16* __restrict__ Sc,
+                                               const u16* __restrict__ B, const float* __restrict__ x, float* y,
+                                               int rows, int cols, int gs) {
+    extern __shared__ float4 mv_smem[];
+    __shared__ float red[8][16][NX];
+    constexpr int MM = (NX + 1) / 2;
+    const int C = cols >> 5, NQ = C >> 2, gpr = cols / gs;
+    const int X4 = mvd_rows_float4s(cols);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int tpb = nw / S, sub = warp % S;
+    const int T = blockIdx.x * tpb + warp / S;
+    const bool live = T * 16 < rows;
+    const int orow = g + 8 * (t >> 1), jj = t & 1;
+    const size_t grow = (size_t)T * 16 + orow;
+    const size_t wpr = (size_t)C * 4;  // u32 words a row
+    const u32* ra_row = W + ((size_t)T * 16 + g) * wpr + 2 * t;
+    const u32* rb_row = ra_row + 8 * wpr;
+    const u32* sc_row = (const u32*)(Sc + grow * gpr);
+    const u32* bi_row = (const u32*)(B + grow * gpr);
+    auto load = [&](int q, uint2 (&a)[2], uint2 (&b)[2], u32& sc, u32& bi) {
+        if (live && q < NQ) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                a[h] = __ldg((const uint2*)(ra_row + (2 * q + h) * 8));
+                b[h] = __ldg((const uint2*)(rb_row + (2 * q + h) * 8));
+            }
+            sc = __ldg(sc_row + q);
+            bi = __ldg(bi_row + q);
+        }
+    };
+    uint2 fa[P][2], fb[P][2];
+    u32 fs[P], fbi[P];
+#pragma unroll
+    for (int p = 0; p < P; p++) load(sub + p * S, fa[p], fb[p], fs[p], fbi[p]);
+    grid_enter();
+#pragma unroll
+    for (int r = 0; r < NX; r++) mvd_stage64(x + (size_t)r * cols, mv_smem + r * X4, cols);
+    float tot[MM];
+#pragma unroll
+    for (int m = 0; m < MM; m++) tot[m] = 0.0f;
+    if (live) {
+        for (int q = sub; q < NQ; q += P * S) {
+#pragma unroll
+            for (int p = 0; p < P; p++) {
+                const int qq = q + p * S;
+                if (qq < NQ) mma6_quad<NX>(fa[p], fb[p], fs[p], fbi[p], qq, C, X4, g, t, tot);
+                load(qq + P * S, fa[p], fb[p], fs[p], fbi[p]);
+            }
+        }
+    }
+    if constexpr (S == 1) {
+#pragma unroll
+        for (int m = 0; m < MM; m++) {
+            const int r = 2 * m + jj;
+            if (live && r < NX && grow < (size_t)rows) y[(size_t)r * rows + grow] = tot[m];
+        }
+    } else {
+#pragma unroll
+        for (int m = 0; m < MM; m++) {
+            const int r = 2 * m + jj;
+            if (r < NX) red[warp][orow][r] = tot[m];
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < tpb * 16 * NX; i += blockDim.x) {
+            const int tl = i / (16 * NX), rem = i % (16 * NX), o = rem & 15, r = rem >> 4;
+            float v = 0.0f;
+            for (int s = 0; s < S; s++) v += red[tl * S + s][o][r];
+            const size_t row = ((size_t)blockIdx.x * tpb + tl) * 16 + o;
+            if (row < (size_t)rows) y[(size_t)r * rows + row] = v;
+        }
+    }
+}
+
+#define MMA6_ROWS(NX, S, P)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) mma6_rows##NX##_s##S##_p##P(                             \
+        const u32* W, const u16* Sc, const u16* B, const float* x, float* y, int rows, int cols, int gs) {    \
+        mma6_rows_core<NX, S, P>(W, Sc, B, x, y, rows, cols, gs);                                              \
+    }
+#define MMA6_ROWS_P(NX, P) MMA6_ROWS(NX, 1, P) MMA6_ROWS(NX, 2, P) MMA6_ROWS(NX, 4, P) MMA6_ROWS(NX, 8, P)
+#define MMA6_ROWS_NX(NX) MMA6_ROWS_P(NX, 2) MMA6_ROWS_P(NX, 4) MMA6_ROWS_P(NX, 8)
+MMA6_ROWS_NX(1)
+MMA6_ROWS_NX(2)
+MMA6_ROWS_NX(4)
 "#;
 
-/// A kernel of version 4 or 5 (v3's loop): NX input rows, S warps a tile, P quads in flight a
-/// warp; both read the scales and biases in fragment order, version 5 also sums a group's two
-/// chunks in the accumulator over x staged with one scale a group.
+/// A kernel of version 5 or 6 (v3's loop): NX input rows, S warps a tile, P quads in flight a
+/// warp, a group's two chunks summed in the accumulator over x staged with one scale a group;
+/// version 5 reads the weights, scales and biases in fragment order, version 6 as stored.
 #[derive(Clone, Copy)]
 struct V3 {
     nx: usize,
@@ -538,15 +685,15 @@ impl V3 {
     }
 }
 
-/// Every version-4 kernel the probe compiles, then every version-5 kernel. (Version 3's, v4 with
-/// scattered scales, are no longer compiled: v4 was as fast or faster in every setting.)
+/// Every version-5 kernel the probe compiles, then every version-6 kernel. (Versions 3 and 4 are
+/// no longer compiled: each was as fast or slower than the next in every setting, session 49.)
 const V3: [V3; 72] = {
-    let mut v = [V3 { nx: 1, s: 1, p: 2, v: 4 }; 72];
+    let mut v = [V3 { nx: 1, s: 1, p: 2, v: 5 }; 72];
     let (nxs, ss, ps) = ([1, 2, 4], [1, 2, 4, 8], [2, 4, 8]);
     let mut i = 0;
     while i < 72 {
         let j = i % 36;
-        v[i] = V3 { nx: nxs[j / 12], s: ss[j % 4], p: ps[(j / 4) % 3], v: if i < 36 { 4 } else { 5 } };
+        v[i] = V3 { nx: nxs[j / 12], s: ss[j % 4], p: ps[(j / 4) % 3], v: if i < 36 { 5 } else { 6 } };
         i += 1;
     }
     v
@@ -599,7 +746,7 @@ fn mma_probe_kernels_compile() {
             eprintln!("{kernel}: {}", line.trim());
             if line.contains("spill stores") {
                 // Version 3's settings are a sweep: a few bytes of spill there are reported, not fatal.
-                let small = (kernel.starts_with("mma4_rows") || kernel.starts_with("mma5_rows"))
+                let small = (kernel.starts_with("mma5_rows") || kernel.starts_with("mma6_rows"))
                     && line.split(" bytes spill stores").next().and_then(|s| s.rsplit(' ').next()?.parse::<u32>().ok())
                         <= Some(16);
                 assert!(line.contains(" 0 bytes spill stores") || small, "{kernel} spills: {line}");
@@ -744,9 +891,11 @@ fn mma_probe() {
         let mma3 = |k: usize, threads: usize, i: usize, yp: u64| {
             let v = V3[k];
             let (_, s, b) = m.copy(i);
-            let s = if v.v >= 4 { sbfrag[i % sbfrag.len()].ptr } else { s };
+            // Version 6 reads the copy as stored; 5 its fragment-order images.
+            let (w, s) =
+                if v.v == 6 { (m.copy(i).0, s) } else { (frag[i % frag.len()].ptr, sbfrag[i % sbfrag.len()].ptr) };
             let args = [
-                Arg::Ptr(frag[i % frag.len()].ptr),
+                Arg::Ptr(w),
                 Arg::Ptr(s),
                 Arg::Ptr(b),
                 Arg::Ptr(x.ptr),
@@ -821,15 +970,15 @@ fn mma_probe() {
                 1 => 0,
                 2 => 1,
                 _ => 2,
-            } + if v.v == 5 { 3 } else { 0 };
+            } + if v.v == 6 { 3 } else { 0 };
             let label = format!("v{} s{} p{} {th}t", v.v, v.s, v.p);
             all += &format!(" {}r {label} {us:.2};", v.nx);
             if us < best[slot].0 {
                 best[slot] = (us, label);
             }
         }
-        println!("v4/v5 all:{all}");
-        for (v, b) in [(4, &best[..3]), (5, &best[3..])] {
+        println!("v5/v6 all:{all}");
+        for (v, b) in [(5, &best[..3]), (6, &best[3..])] {
             println!(
                 "v{v} best: 1 row {:.2} us ({}), 2 rows {:.2} us ({}), 4 rows {:.2} us ({})",
                 b[0].0, b[0].1, b[1].0, b[1].1, b[2].0, b[2].1
