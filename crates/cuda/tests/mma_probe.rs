@@ -31,14 +31,18 @@
 //! - v4 is v3 with the scales and biases in fragment order too (`mma_relayout_sb`): a lane's two
 //!   (scale, bias) pairs of a quad are one 8-byte load from 128 contiguous bytes a tile, where v3
 //!   made eight 2-byte loads from 16 rows' scattered groups.
-//! - v5 is v4 with x staged with one scale a group of 64 inputs (`mvd_stage64`): a group's two
+//! - v5 is v4 with x staged with one scale a group of 64 inputs (`mvd_stage<.., 16>`): a group's two
 //!   chunks sum as integers in the mma's accumulator and the epilogue runs once a group.
 //!
 //! - v6 is v5 over the weights, scales and biases as stored: a group's 32 bytes a row are read by
 //!   the group's four lanes, 8 each, and the mma's k slots follow that order (B reads the matching
 //!   digits), so no relayout is needed and the engine's records could be used as they are.
 //!
-//! The sweep now compiles v5 and v6 (v3 and v4 were never faster than the next version).
+//! The sweep now compiles v5 and v6 (v3 and v4 were never faster than the next version). After
+//! session 49's runs, v5 and v6 were restructured to share their loop (`mma_sp_rows_core` over a
+//! loader, `FragLd` or `StoredLd`) and to stage x with the engine's `mvd_stage<.., 16>` instead of
+//! a copy of it; their PTX then differs from the measured build's in a handful of address and
+//! staging instructions. That version compiles without spills but has not run on a GPU.
 
 mod probe;
 
@@ -302,19 +306,44 @@ MMA_ROWS(1)
 MMA_ROWS(2)
 MMA_ROWS(4)
 
-// Version 3: version 2's arithmetic, with S warps a tile instead of 8 (8 / S tiles a block of 8
-// warps; S = 1 needs no reduction through shared memory) and P quads of weights in flight a warp
-// (loaded before the wait), so a block streams more bytes for its one staging of x.
-template <int NX, bool G64 = false>
+// One m16n8k32 step of versions 5 and 6: word w0 of row g and w1 of row g + 8 (8 codes each, as
+// unsigned bytes: the even codes at k 4t.., the odd at 16 + 4t..) against B (b0, b1), summed into d.
+__device__ __forceinline__ void mma_codes(int (&d)[4], u32 w0, u32 w1, u32 b0, u32 b1) {
+    const u32 a0 = w0 & 0x0F0F0F0Fu, a2 = (w0 >> 4) & 0x0F0F0F0Fu;
+    const u32 a1 = w1 & 0x0F0F0F0Fu, a3 = (w1 >> 4) & 0x0F0F0F0Fu;
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// v2's reduce-scatter of the digit sums d (weighed by wdig, 256^t) over a group's four lanes: lane
+// t ends with the total of row g (t < 2) or g + 8, input row t % 2 (of the mma's pair).
+__device__ __forceinline__ float mma_lane_sum(const int (&d)[4], float wdig, int t) {
+    float v[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) v[k] = (float)d[k] * wdig;
+    const bool hi = t & 2;
+    const int jj = t & 1;
+    const float keep0 = hi ? v[2] : v[0], keep1 = hi ? v[3] : v[1];
+    const float give0 = hi ? v[0] : v[2], give1 = hi ? v[1] : v[3];
+    const float u0 = keep0 + __shfl_xor_sync(0xffffffffu, give0, 2);
+    const float u1 = keep1 + __shfl_xor_sync(0xffffffffu, give1, 2);
+    return (jj ? u1 : u0) + __shfl_xor_sync(0xffffffffu, jj ? u0 : u1, 1);
+}
+
+// Version 5's quad (versions 3 and 4, its steps, are in git history and in "Session 49" of
+// benchmark/notes-cuda.md): version 2's epilogue, with a group's two chunks summed as integers in
+// the mma's accumulator and the epilogue once a group, over x staged with one scale a group.
+template <int NX>
 __device__ __forceinline__ void mma3_quad(const uint4 fa, const uint4 fb, const u32 (&sb)[4], int q, int C, int X4,
                                           int g, int t, float (&tot)[(NX + 1) / 2]) {
     extern __shared__ float4 mv_smem[];
     constexpr int MM = (NX + 1) / 2;
     const int dg = g >> 1, jj = t & 1;
     const float wdig = t == 0 ? 1.0f : t == 1 ? 256.0f : t == 2 ? 65536.0f : 0.0f;
-    // G64 (v5): the two chunks of a group of 64 sum as integers in the mma's accumulator, and the
-    // epilogue runs once a group (x staged with one scale a group: mvd_stage64).
-    constexpr int CH = G64 ? 2 : 1;
+    constexpr int CH = 2;  // the chunks of a group of 64
 #pragma unroll
     for (int j0 = 0; j0 < 4; j0 += CH) {
         const float scale = __uint_as_float(sb[j0] << 16), bias = __uint_as_float(sb[j0] & 0xffff0000u);
@@ -325,30 +354,15 @@ __device__ __forceinline__ void mma3_quad(const uint4 fa, const uint4 fb, const 
 #pragma unroll
             for (int j = j0; j < j0 + CH; j++) {
                 const int c = 4 * q + j;
-                const u32 w0 = mv_word(fa, j), w1 = mv_word(fb, j);
-                const u32 a0 = w0 & 0x0F0F0F0Fu, a2 = (w0 >> 4) & 0x0F0F0F0Fu;
-                const u32 a1 = w1 & 0x0F0F0F0Fu, a3 = (w1 >> 4) & 0x0F0F0F0Fu;
                 u32 b0 = 0, b1 = 0;
                 if (dg < 3 && rr < NX) {
                     const u32* base = (const u32*)(mv_smem + rr * X4 + c * MVD_CHUNK) + 12 * (t >> 1) + 6 * (t & 1);
                     b0 = base[2 * dg];
                     b1 = base[2 * dg + 1];
                 }
-                asm volatile(
-                    "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                    "{%0,%1,%2,%3};"
-                    : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-                    : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+                mma_codes(d, mv_word(fa, j), mv_word(fb, j), b0, b1);
             }
-            float v[4];
-#pragma unroll
-            for (int k = 0; k < 4; k++) v[k] = (float)d[k] * wdig;
-            const bool hi = t & 2;
-            const float keep0 = hi ? v[2] : v[0], keep1 = hi ? v[3] : v[1];
-            const float give0 = hi ? v[0] : v[2], give1 = hi ? v[1] : v[3];
-            const float u0 = keep0 + __shfl_xor_sync(0xffffffffu, give0, 2);
-            const float u1 = keep1 + __shfl_xor_sync(0xffffffffu, give1, 2);
-            const float sq = (jj ? u1 : u0) + __shfl_xor_sync(0xffffffffu, jj ? u0 : u1, 1);
+            const float sq = mma_lane_sum(d, wdig, t);
             const int r = 2 * m + jj;
             if (r < NX) {
                 const float2 mt = mvd_meta(mv_smem + r * X4, C)[4 * q + j0];
@@ -358,48 +372,9 @@ __device__ __forceinline__ void mma3_quad(const uint4 fa, const uint4 fb, const 
     }
 }
 
-// x staged as mvd_stage does (the same digits and layout, no input transform), but each chunk's
-// scale is its group's of 64 inputs (16 threads' float4s), and meta[c] = (that scale, the group's
-// sum) for both chunks of a group (v5). cols a multiple of 64, blockDim.x of 32.
-__device__ __forceinline__ void mvd_stage64(const float* __restrict__ x, float4* sm, int cols) {
-    const int n4 = cols >> 2, chunks = cols >> 5;
-    u16* dig = (u16*)sm;
-    float2* meta = (float2*)mvd_meta(sm, chunks);
-    for (int base = 0; base < n4; base += blockDim.x) {
-        const int i = base + threadIdx.x;
-        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (i < n4) v = ((const float4*)x)[i];
-        float s = (v.x + v.y) + (v.z + v.w);
-        float mx = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-#pragma unroll
-        for (int o = 1; o < 16; o <<= 1) {
-            s += __shfl_xor_sync(0xffffffffu, s, o);
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        }
-        if (i < n4) {
-            const float inv = mx > 0.0f ? MVD_QMAX / mx : 0.0f;
-            const int qx = __float_as_int(fmaf(v.x, inv, 12582912.0f)) - 0x4B400000;
-            const int qy = __float_as_int(fmaf(v.y, inv, 12582912.0f)) - 0x4B400000;
-            const int qz = __float_as_int(fmaf(v.z, inv, 12582912.0f)) - 0x4B400000;
-            const int qw = __float_as_int(fmaf(v.w, inv, 12582912.0f)) - 0x4B400000;
-            const int c = i >> 3, k = (i >> 1) & 3, h = i & 1;
-            u16* w = dig + (c * MVD_CHUNK * 16 + k * 24) / 2 + h;
-            const int e0 = qx, e1 = qz, o0 = qy, o1 = qw;
-            w[0] = (u16)__byte_perm(e0, e1, 0x0040);
-            w[2] = (u16)__byte_perm(o0, o1, 0x0040);
-            w[4] = (u16)__byte_perm((e0 + 128) >> 8, (e1 + 128) >> 8, 0x0040);
-            w[6] = (u16)__byte_perm((o0 + 128) >> 8, (o1 + 128) >> 8, 0x0040);
-            w[8] = (u16)__byte_perm((e0 + 32896) >> 16, (e1 + 32896) >> 16, 0x0040);
-            w[10] = (u16)__byte_perm((o0 + 32896) >> 16, (o1 + 32896) >> 16, 0x0040);
-            if ((i & 7) == 0) meta[c] = make_float2(mx / MVD_QMAX, s);
-        }
-    }
-    __syncthreads();
-}
-
-// Version 4 (FSB): the scales and biases in fragment order too (`mma_relayout_sb`, groups of 64
-// inputs): a tile's quad holds its 16 rows' two (scale, bias) pairs, 128 bytes, so a lane loads
-// its row's pairs with one 8-byte load instead of eight 2-byte loads spread over 16 rows.
+// The scales and biases in fragment order (versions 4 and 5; groups of 64 inputs): a tile's quad
+// holds its 16 rows' two (scale, bias) pairs, 128 bytes, so a lane loads its row's pairs with one
+// 8-byte load instead of eight 2-byte loads spread over 16 rows.
 extern "C" __global__ void mma_relayout_sb(const u16* __restrict__ S, const u16* __restrict__ B, u32* SB, int rows,
                                            int C) {
     const int NQ = C >> 2, gpr = C >> 1;
@@ -412,54 +387,30 @@ extern "C" __global__ void mma_relayout_sb(const u16* __restrict__ S, const u16*
     SB[id] = (u32)S[gi] | ((u32)B[gi] << 16);
 }
 
-template <int NX, int S, int P, bool FSB = false, bool G64 = false>
-__device__ __forceinline__ void mma3_rows_core(const uint4* __restrict__ F, const u16* __restrict__ Sc,
-                                               const u16* __restrict__ B, const float* __restrict__ x, float* y,
-                                               int rows, int cols, int gs) {
+// The loop versions 5 and 6 share: S warps a tile (8 / S tiles a block of 8 warps), P quads of
+// weights in flight a warp (the first P requested before the wait), x staged with one scale a
+// group of 64 inputs (mvd_stage<.., 16>), and the tile's warps' sums met in shared memory where
+// S > 1. `Ld` locates a tile's quads and takes one (`Stage` its registers: load(q, st) and
+// quad<NX>(st, q, C, X4, g, t, tot)).
+template <int NX, int S, int P, class Ld>
+__device__ __forceinline__ void mma_sp_rows_core(const Ld& ld, const float* __restrict__ x, float* y, int rows,
+                                                 int cols, int T, bool live) {
     extern __shared__ float4 mv_smem[];
     __shared__ float red[8][16][NX];
     constexpr int MM = (NX + 1) / 2;
-    const int C = cols >> 5, NQ = C >> 2, gpr = cols / gs, gshift = __ffs(gs) - 1;
+    const int C = cols >> 5, NQ = C >> 2;
     const int X4 = mvd_rows_float4s(cols);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int tpb = nw / S, sub = warp % S;
-    const int T = blockIdx.x * tpb + warp / S;
-    const bool live = T * 16 < rows;
     const int orow = g + 8 * (t >> 1), jj = t & 1;
     const size_t grow = (size_t)T * 16 + orow;
-    auto load = [&](int q, uint4& a, uint4& b, u32 (&sb)[4]) {
-        if (live && q < NQ) {
-            const uint4* p = F + (((size_t)T * NQ + q) * 32 + lane) * 2;
-            a = p[0];
-            b = p[1];
-            if constexpr (FSB) {
-                // (Sc is the relaid image then, B unused.)
-                const uint2 v = __ldg((const uint2*)Sc + ((size_t)T * NQ + q) * 16 + orow);
-                sb[0] = sb[1] = v.x;
-                sb[2] = sb[3] = v.y;
-            } else {
+    typename Ld::Stage st[P];
 #pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const size_t gi = grow * gpr + (((4 * q + j) << 5) >> gshift);
-                    sb[j] = (u32)__ldg(Sc + gi) | ((u32)__ldg(B + gi) << 16);
-                }
-            }
-        }
-    };
-    uint4 fa[P], fb[P];
-    u32 sb[P][4];
-#pragma unroll
-    for (int p = 0; p < P; p++) load(sub + p * S, fa[p], fb[p], sb[p]);
+    for (int p = 0; p < P; p++) ld.load(sub + p * S, st[p]);
     grid_enter();
 #pragma unroll
-    for (int r = 0; r < NX; r++) {
-        if constexpr (G64) {
-            mvd_stage64(x + (size_t)r * cols, mv_smem + r * X4, cols);
-        } else {
-            mvd_stage(x + (size_t)r * cols, MV_IN_NONE, mv_smem + r * X4, cols, nullptr);
-        }
-    }
+    for (int r = 0; r < NX; r++) mvd_stage<MvLdX, 16>(x + (size_t)r * cols, MV_IN_NONE, mv_smem + r * X4, cols, nullptr);
     float tot[MM];
 #pragma unroll
     for (int m = 0; m < MM; m++) tot[m] = 0.0f;
@@ -468,8 +419,8 @@ __device__ __forceinline__ void mma3_rows_core(const uint4* __restrict__ F, cons
 #pragma unroll
             for (int p = 0; p < P; p++) {
                 const int qq = q + p * S;
-                if (qq < NQ) mma3_quad<NX, G64>(fa[p], fb[p], sb[p], qq, C, X4, g, t, tot);
-                load(qq + P * S, fa[p], fb[p], sb[p]);
+                if (qq < NQ) ld.template quad<NX>(st[p], qq, C, X4, g, t, tot);
+                ld.load(qq + P * S, st[p]);
             }
         }
     }
@@ -496,27 +447,52 @@ __device__ __forceinline__ void mma3_rows_core(const uint4* __restrict__ F, cons
     }
 }
 
-#define MMA3_ROWS(NX, S, P)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256) mma3_rows##NX##_s##S##_p##P(                             \
-        const uint4* F, const u16* Sc, const u16* B, const float* x, float* y, int rows, int cols, int gs) {  \
-        mma3_rows_core<NX, S, P>(F, Sc, B, x, y, rows, cols, gs);                                              \
+// Version 5's quads: weights and scales in fragment order (mma_relayout, mma_relayout_sb).
+struct FragLd {
+    struct Stage {
+        uint4 a, b;
+        u32 sb[4];
+    };
+    const uint4* F;
+    const uint2* SB;
+    size_t tq0;  // T * NQ
+    int NQ, lane, orow;
+    bool live;
+    __device__ __forceinline__ void load(int q, Stage& st) const {
+        if (live && q < NQ) {
+            const uint4* p = F + ((tq0 + q) * 32 + lane) * 2;
+            st.a = p[0];
+            st.b = p[1];
+            const uint2 v = __ldg(SB + (tq0 + q) * 16 + orow);
+            st.sb[0] = st.sb[1] = v.x;
+            st.sb[2] = st.sb[3] = v.y;
+        }
     }
-#define MMA4_ROWS(NX, S, P)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256) mma4_rows##NX##_s##S##_p##P(                             \
-        const uint4* F, const u16* Sc, const u16* B, const float* x, float* y, int rows, int cols, int gs) {  \
-        mma3_rows_core<NX, S, P, true>(F, Sc, B, x, y, rows, cols, gs);                                        \
+    template <int NX>
+    __device__ __forceinline__ void quad(const Stage& st, int q, int C, int X4, int g, int t,
+                                         float (&tot)[(NX + 1) / 2]) const {
+        mma3_quad<NX>(st.a, st.b, st.sb, q, C, X4, g, t, tot);
     }
+};
+
+template <int NX, int S, int P>
+__device__ __forceinline__ void mma5_rows_core(const uint4* __restrict__ F, const u16* __restrict__ SB,
+                                               const float* __restrict__ x, float* y, int rows, int cols) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
+    const int T = blockIdx.x * ((blockDim.x >> 5) / S) + warp / S, NQ = cols >> 7;
+    const bool live = T * 16 < rows;
+    const FragLd ld{F, (const uint2*)SB, (size_t)T * NQ, NQ, lane, (lane >> 2) + 8 * (t >> 1), live};
+    mma_sp_rows_core<NX, S, P>(ld, x, y, rows, cols, T, live);
+}
+
+// (Sc is the relaid image mma_relayout_sb wrote; B is unused.)
 #define MMA5_ROWS(NX, S, P)                                                                                    \
     extern "C" __global__ void __launch_bounds__(256) mma5_rows##NX##_s##S##_p##P(                             \
         const uint4* F, const u16* Sc, const u16* B, const float* x, float* y, int rows, int cols, int gs) {  \
-        mma3_rows_core<NX, S, P, true, true>(F, Sc, B, x, y, rows, cols, gs);                                  \
+        mma5_rows_core<NX, S, P>(F, Sc, x, y, rows, cols);                                                     \
     }
 #define MMA5_ROWS_P(NX, P) MMA5_ROWS(NX, 1, P) MMA5_ROWS(NX, 2, P) MMA5_ROWS(NX, 4, P) MMA5_ROWS(NX, 8, P)
 #define MMA5_ROWS_NX(NX) MMA5_ROWS_P(NX, 2) MMA5_ROWS_P(NX, 4) MMA5_ROWS_P(NX, 8)
-#define MMA3_ROWS_P(NX, P) MMA3_ROWS(NX, 1, P) MMA3_ROWS(NX, 2, P) MMA3_ROWS(NX, 4, P) MMA3_ROWS(NX, 8, P)
-#define MMA3_ROWS_NX(NX) MMA3_ROWS_P(NX, 2) MMA3_ROWS_P(NX, 4) MMA3_ROWS_P(NX, 8)
-#define MMA4_ROWS_P(NX, P) MMA4_ROWS(NX, 1, P) MMA4_ROWS(NX, 2, P) MMA4_ROWS(NX, 4, P) MMA4_ROWS(NX, 8, P)
-#define MMA4_ROWS_NX(NX) MMA4_ROWS_P(NX, 2) MMA4_ROWS_P(NX, 4) MMA4_ROWS_P(NX, 8)
 MMA5_ROWS_NX(1)
 MMA5_ROWS_NX(2)
 MMA5_ROWS_NX(4)
@@ -546,9 +522,6 @@ __device__ __forceinline__ void mma6_quad(const uint2 (&ra)[2], const uint2 (&rb
             int d[4] = {0, 0, 0, 0};
 #pragma unroll
             for (int k = 0; k < 2; k++) {
-                const u32 w0 = k ? ra[h].y : ra[h].x, w1 = k ? rb[h].y : rb[h].x;
-                const u32 a0 = w0 & 0x0F0F0F0Fu, a2 = (w0 >> 4) & 0x0F0F0F0Fu;
-                const u32 a1 = w1 & 0x0F0F0F0Fu, a3 = (w1 >> 4) & 0x0F0F0F0Fu;
                 u32 b0 = 0, b1 = 0;
                 if (dg < 3 && rr < NX) {
                     // This lane's B slots are those of group word 2t + k (chunk 2 grp + (2t + k) / 4).
@@ -557,21 +530,9 @@ __device__ __forceinline__ void mma6_quad(const uint2 (&ra)[2], const uint2 (&rb
                     b0 = base[2 * dg];
                     b1 = base[2 * dg + 1];
                 }
-                asm volatile(
-                    "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                    "{%0,%1,%2,%3};"
-                    : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-                    : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+                mma_codes(d, k ? ra[h].y : ra[h].x, k ? rb[h].y : rb[h].x, b0, b1);
             }
-            float v[4];
-#pragma unroll
-            for (int i = 0; i < 4; i++) v[i] = (float)d[i] * wdig;
-            const bool hi = t & 2;
-            const float keep0 = hi ? v[2] : v[0], keep1 = hi ? v[3] : v[1];
-            const float give0 = hi ? v[0] : v[2], give1 = hi ? v[1] : v[3];
-            const float u0 = keep0 + __shfl_xor_sync(0xffffffffu, give0, 2);
-            const float u1 = keep1 + __shfl_xor_sync(0xffffffffu, give1, 2);
-            const float sq = (jj ? u1 : u0) + __shfl_xor_sync(0xffffffffu, jj ? u0 : u1, 1);
+            const float sq = mma_lane_sum(d, wdig, t);
             const int r = 2 * m + jj;
             if (r < NX) {
                 const float2 mt = mvd_meta(mv_smem + r * X4, C)[2 * grp];
@@ -581,79 +542,49 @@ __device__ __forceinline__ void mma6_quad(const uint2 (&ra)[2], const uint2 (&rb
     }
 }
 
+// Version 6's quads: weights, scales and biases as stored.
+struct StoredLd {
+    struct Stage {
+        uint2 a[2], b[2];
+        u32 sc, bi;
+    };
+    const u32* ra_row;  // row g's first word for this lane (8 bytes at 8t of each group)
+    const u32* rb_row;  // row g + 8's
+    const u32* sc_row;  // this lane's row's scales, two groups a u32
+    const u32* bi_row;
+    int NQ;
+    bool live;
+    __device__ __forceinline__ void load(int q, Stage& st) const {
+        if (live && q < NQ) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                st.a[h] = __ldg((const uint2*)(ra_row + (2 * q + h) * 8));
+                st.b[h] = __ldg((const uint2*)(rb_row + (2 * q + h) * 8));
+            }
+            st.sc = __ldg(sc_row + q);
+            st.bi = __ldg(bi_row + q);
+        }
+    }
+    template <int NX>
+    __device__ __forceinline__ void quad(const Stage& st, int q, int C, int X4, int g, int t,
+                                         float (&tot)[(NX + 1) / 2]) const {
+        mma6_quad<NX>(st.a, st.b, st.sc, st.bi, q, C, X4, g, t, tot);
+    }
+};
+
 template <int NX, int S, int P>
 __device__ __forceinline__ void mma6_rows_core(const u32* __restrict__ W, const u16* __restrict__ Sc,
                                                const u16* __restrict__ B, const float* __restrict__ x, float* y,
                                                int rows, int cols, int gs) {
-    extern __shared__ float4 mv_smem[];
-    __shared__ float red[8][16][NX];
-    constexpr int MM = (NX + 1) / 2;
-    const int C = cols >> 5, NQ = C >> 2, gpr = cols / gs;
-    const int X4 = mvd_rows_float4s(cols);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int tpb = nw / S, sub = warp % S;
-    const int T = blockIdx.x * tpb + warp / S;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int T = blockIdx.x * ((blockDim.x >> 5) / S) + warp / S;
     const bool live = T * 16 < rows;
-    const int orow = g + 8 * (t >> 1), jj = t & 1;
-    const size_t grow = (size_t)T * 16 + orow;
-    const size_t wpr = (size_t)C * 4;  // u32 words a row
+    const int C = cols >> 5, gpr = cols / gs;
+    const size_t grow = (size_t)T * 16 + g + 8 * (t >> 1), wpr = (size_t)C * 4;
     const u32* ra_row = W + ((size_t)T * 16 + g) * wpr + 2 * t;
-    const u32* rb_row = ra_row + 8 * wpr;
-    const u32* sc_row = (const u32*)(Sc + grow * gpr);
-    const u32* bi_row = (const u32*)(B + grow * gpr);
-    auto load = [&](int q, uint2 (&a)[2], uint2 (&b)[2], u32& sc, u32& bi) {
-        if (live && q < NQ) {
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                a[h] = __ldg((const uint2*)(ra_row + (2 * q + h) * 8));
-                b[h] = __ldg((const uint2*)(rb_row + (2 * q + h) * 8));
-            }
-            sc = __ldg(sc_row + q);
-            bi = __ldg(bi_row + q);
-        }
-    };
-    uint2 fa[P][2], fb[P][2];
-    u32 fs[P], fbi[P];
-#pragma unroll
-    for (int p = 0; p < P; p++) load(sub + p * S, fa[p], fb[p], fs[p], fbi[p]);
-    grid_enter();
-#pragma unroll
-    for (int r = 0; r < NX; r++) mvd_stage64(x + (size_t)r * cols, mv_smem + r * X4, cols);
-    float tot[MM];
-#pragma unroll
-    for (int m = 0; m < MM; m++) tot[m] = 0.0f;
-    if (live) {
-        for (int q = sub; q < NQ; q += P * S) {
-#pragma unroll
-            for (int p = 0; p < P; p++) {
-                const int qq = q + p * S;
-                if (qq < NQ) mma6_quad<NX>(fa[p], fb[p], fs[p], fbi[p], qq, C, X4, g, t, tot);
-                load(qq + P * S, fa[p], fb[p], fs[p], fbi[p]);
-            }
-        }
-    }
-    if constexpr (S == 1) {
-#pragma unroll
-        for (int m = 0; m < MM; m++) {
-            const int r = 2 * m + jj;
-            if (live && r < NX && grow < (size_t)rows) y[(size_t)r * rows + grow] = tot[m];
-        }
-    } else {
-#pragma unroll
-        for (int m = 0; m < MM; m++) {
-            const int r = 2 * m + jj;
-            if (r < NX) red[warp][orow][r] = tot[m];
-        }
-        __syncthreads();
-        for (int i = threadIdx.x; i < tpb * 16 * NX; i += blockDim.x) {
-            const int tl = i / (16 * NX), rem = i % (16 * NX), o = rem & 15, r = rem >> 4;
-            float v = 0.0f;
-            for (int s = 0; s < S; s++) v += red[tl * S + s][o][r];
-            const size_t row = ((size_t)blockIdx.x * tpb + tl) * 16 + o;
-            if (row < (size_t)rows) y[(size_t)r * rows + row] = v;
-        }
-    }
+    const StoredLd ld{ra_row, ra_row + 8 * wpr, (const u32*)(Sc + grow * gpr), (const u32*)(B + grow * gpr),
+                      C >> 2, live};
+    mma_sp_rows_core<NX, S, P>(ld, x, y, rows, cols, T, live);
 }
 
 #define MMA6_ROWS(NX, S, P)                                                                                    \

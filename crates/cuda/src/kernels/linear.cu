@@ -414,8 +414,10 @@ __device__ __forceinline__ int mvd_dp4a(u32 a, u32 b, int c) {
 
 // Stages in(x) (cols inputs, a multiple of 32) as digits and per-chunk (xs, sum) (all threads of
 // the block take part; blockDim.x is a multiple of 32). With `ssq`, thread 0 also writes there the
-// sum of the squares of x itself (before the transform).
-template <class Ld = MvLdX>
+// sum of the squares of x itself (before the transform). GT = 16 (the tensor-core core of
+// tests/mma_probe.rs) scales x a group of 64 inputs instead of a chunk of 32: each chunk's (xs, sum)
+// is then its group's, and cols a multiple of 64.
+template <class Ld = MvLdX, int GT = 8>
 __device__ __forceinline__ void mvd_stage(const float* __restrict__ x, const MvIn& in, float4* sm, int cols,
                                           float* ssq, Ld ld = Ld{}) {
     __shared__ float mvd_sq[32];
@@ -445,11 +447,11 @@ __device__ __forceinline__ void mvd_stage(const float* __restrict__ x, const MvI
             if (in.op != MV_IN_PLAIN)
                 v = make_float4(mv_in(v.x, v2.x, in), mv_in(v.y, v2.y, in), mv_in(v.z, v2.z, in), mv_in(v.w, v2.w, in));
         }
-        // A chunk's 32 inputs are 8 consecutive threads' float4s.
+        // A chunk's 32 inputs are 8 consecutive threads' float4s (a group's 64, GT = 16: 16).
         float s = (v.x + v.y) + (v.z + v.w);
         float mx = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
 #pragma unroll
-        for (int o = 1; o < 8; o <<= 1) {
+        for (int o = 1; o < GT; o <<= 1) {
             s += __shfl_xor_sync(0xffffffffu, s, o);
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
         }
