@@ -1,48 +1,38 @@
-//! Does a tensor-core core make extra input rows nearly free? `rows_probe` found that the tiled
-//! dp4a core pays 1.25x a launch for a second row on the GDN in_proj and 1.6-1.7x on the layer's
-//! other 4-bit matrices, so a verifying pass over two rows would cost about 1.5x a step. Session
-//! 11's `mma.m16n8k32` core (lost with its branch) was level with dp4a for one row; with one
-//! instruction summing 32 codes of 16 rows against 8 columns, the three digits of two input rows
-//! (6 columns) cost one instruction as one row's do. This probe rebuilds that core for 1, 2 and 4
-//! rows and times it against the engine's `matvec_q4`, `matvec_q4_x2` and `_x4` (ignored by
+//! Does a tensor-core core beat the engine's tiled dp4a core for 4-bit rows, and make extra input
+//! rows nearly free? `rows_probe` found that the tiled core pays 1.25x a launch for a second row on
+//! the GDN in_proj and 1.6-1.7x on the layer's other 4-bit matrices, so a verifying pass over two
+//! rows would cost about 1.5x a step. This probe times two versions of an `mma.m16n8k32` (u8 x s8)
+//! core over 1, 2 and 4 input rows, on the rows probes' shapes and two stand-ins for the engine's
+//! expert table launches, beside the engine's `matvec_q4`, `matvec_q4_x2` and `_x4` (ignored by
 //! default; needs a GPU):
 //!
 //!     cargo test --release -p cherenkov-cuda --test mma_probe --no-run   # prints the binary
 //!     <binary> --ignored --nocapture        (on the GPU machine, with NVRTC on LD_LIBRARY_PATH)
 //!
-//! The core (`mma_rows<NX>`): a block of 8 warps takes a tile of 16 rows; warp w takes the tile's
-//! quads of 4 chunks (32 inputs each) w, w + 8, ... Its lane (g = lane / 4, t = lane % 4) loads
-//! two uint4 a quad: word t of the quad's 4 chunks for rows g and g + 8, from a copy of the weights
-//! laid out in that fragment order (`mma_relayout`; the engine would do it at upload). Per chunk,
-//! A is the codes as unsigned bytes (`w & 0x0F0F0F0F`, the even inputs, at k 4t..4t+3; the odd
-//! ones at 16 + 4t..), B column n is digit n / 2 of input row n % 2 (a second mma for rows 2 and
-//! 3), read from `mvd_stage`'s staging as the dp4a core reads it. The three digit sums meet in
-//! lane t = 0 by two shuffles, which applies the dp4a core's epilogue (the same float arithmetic
-//! per chunk). The warps' sums meet in shared memory. The chunks are summed in another order than
-//! the tiled core's, so the outputs are checked against `matvec_q4` to 1e-5 of their scale, not
-//! bit for bit.
+//! The core: a tile is 16 rows; S warps share a tile (8 / S tiles a block of 256 threads), each
+//! taking every S-th quad (4 chunks of 32 inputs, two groups of 64) with P quads' loads in flight,
+//! the first P requested before the wait (`mma_sp_rows_core`). x is staged as digits with one
+//! scale a group (the engine's `mvd_stage<.., 16>`); a group's two chunks sum as integers in the
+//! mma's accumulator (B column n is digit n / 2 of input row n % 2, a second mma for rows 2 and 3);
+//! a reduce-scatter over the four lanes of a group weighs the digits, and the group's scale and
+//! bias are applied once. The tile's warps meet in shared memory where S > 1.
+//! - v5 reads the weights and the scales and biases in fragment order (`mma_relayout`,
+//!   `mma_relayout_sb`: a lane's words of a quad are one uint4 a row, its row's two (scale, bias)
+//!   pairs one 8-byte load).
+//! - v6 reads them as stored: a group's 32 bytes a row are read by the group's four lanes, 8 each,
+//!   and the mma's k slots follow that order (B reads the matching digits), so the engine's records
+//!   could be used as they are (the engine version of this core is
+//!   `benchmark/branches/s49-experts-mma.patch`).
 //!
-//! Later versions, each checked the same way and timed beside the first:
-//! - v2 spreads the epilogue over the group's four lanes (a reduce-scatter) and loads each lane's
-//!   scales a quad ahead.
-//! - v3 gives a tile S warps instead of 8 (8 / S tiles a block) and keeps P quads of weights in
-//!   flight a warp, loaded before the wait; the probe sweeps S in {1, 2, 4, 8} and P in {2, 4, 8}
-//!   and prints every setting and the best.
-//! - v4 is v3 with the scales and biases in fragment order too (`mma_relayout_sb`): a lane's two
-//!   (scale, bias) pairs of a quad are one 8-byte load from 128 contiguous bytes a tile, where v3
-//!   made eight 2-byte loads from 16 rows' scattered groups.
-//! - v5 is v4 with x staged with one scale a group of 64 inputs (`mvd_stage<.., 16>`): a group's two
-//!   chunks sum as integers in the mma's accumulator and the epilogue runs once a group.
-//!
-//! - v6 is v5 over the weights, scales and biases as stored: a group's 32 bytes a row are read by
-//!   the group's four lanes, 8 each, and the mma's k slots follow that order (B reads the matching
-//!   digits), so no relayout is needed and the engine's records could be used as they are.
-//!
-//! The sweep now compiles v5 and v6 (v3 and v4 were never faster than the next version). After
-//! session 49's runs, v5 and v6 were restructured to share their loop (`mma_sp_rows_core` over a
-//! loader, `FragLd` or `StoredLd`) and to stage x with the engine's `mvd_stage<.., 16>` instead of
-//! a copy of it; their PTX then differs from the measured build's in a handful of address and
-//! staging instructions. That version compiles without spills but has not run on a GPU.
+//! The sweep runs S in {1, 2, 4, 8} and P in {2, 4, 8} for both and prints every setting and the
+//! best. Every kernel is checked against the engine to 1e-5 of the output's scale (its sums go in
+//! another order and x's scale is a group's, so not bit for bit); a "WRONG" line fails the test.
+//! Versions 1-4 (a block a tile, scales loaded as stored, x scaled a chunk) were measured in
+//! session 49 and dropped: `benchmark/notes-cuda.md`, "Session 49", and
+//! `benchmark/results/mma-probe-2026-12-04-s4{8,9}*.txt`. After those runs v5 and v6 were
+//! restructured to share one loop and to stage with the engine's function; their PTX differs from
+//! the measured build's in a handful of address and staging instructions, and that form has not
+//! run on a GPU yet.
 
 mod probe;
 
@@ -66,246 +56,6 @@ extern "C" __global__ void mma_relayout(const u32* __restrict__ W, uint4* F, int
     }
 }
 
-template <int NX>
-__device__ __forceinline__ void mma_rows_core(const uint4* __restrict__ F, const u16* __restrict__ S,
-                                              const u16* __restrict__ B, const float* __restrict__ x, float* y,
-                                              int rows, int cols, int gs) {
-    extern __shared__ float4 mv_smem[];
-    __shared__ float red[8][16][NX];
-    constexpr int MM = (NX + 1) / 2;
-    const int C = cols >> 5, NQ = C >> 2, gpr = cols / gs, gshift = __ffs(gs) - 1;
-    const int X4 = mvd_rows_float4s(cols);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int T = blockIdx.x;
-    int q = warp;
-    uint4 fa = make_uint4(0, 0, 0, 0), fb = fa;
-    if (q < NQ) {
-        const uint4* p = F + (((size_t)T * NQ + q) * 32 + lane) * 2;
-        fa = p[0];
-        fb = p[1];
-    }
-    grid_enter();
-#pragma unroll
-    for (int r = 0; r < NX; r++) mvd_stage(x + (size_t)r * cols, MV_IN_NONE, mv_smem + r * X4, cols, nullptr);
-    float tot[NX][2];
-#pragma unroll
-    for (int r = 0; r < NX; r++) tot[r][0] = tot[r][1] = 0.0f;
-    const int dg = g >> 1;
-    const size_t row0 = (size_t)T * 16 + g, row1 = row0 + 8;
-    while (q < NQ) {
-        const int qn = q + nw;
-        uint4 na = fa, nb = fb;
-        if (qn < NQ) {
-            const uint4* p = F + (((size_t)T * NQ + qn) * 32 + lane) * 2;
-            na = p[0];
-            nb = p[1];
-        }
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int c = 4 * q + j;
-            const u32 w0 = mv_word(fa, j), w1 = mv_word(fb, j);
-            const u32 a0 = w0 & 0x0F0F0F0Fu, a2 = (w0 >> 4) & 0x0F0F0F0Fu;
-            const u32 a1 = w1 & 0x0F0F0F0Fu, a3 = (w1 >> 4) & 0x0F0F0F0Fu;
-            int d[MM][4];
-#pragma unroll
-            for (int m = 0; m < MM; m++) {
-                // This lane's column of B: digit g / 2 of input row 2m + g % 2.
-                const int rr = 2 * m + (g & 1);
-                u32 b0 = 0, b1 = 0;
-                if (dg < 3 && rr < NX) {
-                    const u32* base = (const u32*)(mv_smem + rr * X4 + c * MVD_CHUNK) + 12 * (t >> 1) + 6 * (t & 1);
-                    b0 = base[2 * dg];
-                    b1 = base[2 * dg + 1];
-                }
-                asm volatile(
-                    "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                    "{%10,%10,%10,%10};"
-                    : "=r"(d[m][0]), "=r"(d[m][1]), "=r"(d[m][2]), "=r"(d[m][3])
-                    : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
-            }
-            // Lane t holds digit t's sums for rows g, g + 8 (d[.][0..1], d[.][2..3]) and input rows
-            // 2m, 2m + 1; digits 1 and 2 come from lanes t + 1 and t + 2.
-            int d1[MM][4], d2[MM][4];
-#pragma unroll
-            for (int m = 0; m < MM; m++)
-#pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    d1[m][k] = __shfl_down_sync(0xffffffffu, d[m][k], 1);
-                    d2[m][k] = __shfl_down_sync(0xffffffffu, d[m][k], 2);
-                }
-            if (t == 0) {
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const size_t gi = (h ? row1 : row0) * gpr + ((c << 5) >> gshift);
-                    const float scale = __uint_as_float((u32)S[gi] << 16), bias = __uint_as_float((u32)B[gi] << 16);
-#pragma unroll
-                    for (int m = 0; m < MM; m++)
-#pragma unroll
-                        for (int jj = 0; jj < 2; jj++) {
-                            const int r = 2 * m + jj;
-                            if (r < NX) {
-                                const int k = 2 * h + jj;
-                                const float sq = fmaf((float)d2[m][k], 65536.0f, (float)(d1[m][k] * 256 + d[m][k]));
-                                const float2 mt = mvd_meta(mv_smem + r * X4, C)[c];
-                                tot[r][h] = fmaf(scale * mt.x, sq, fmaf(bias, mt.y, tot[r][h]));
-                            }
-                        }
-                }
-            }
-        }
-        fa = na;
-        fb = nb;
-        q = qn;
-    }
-    if (t == 0) {
-#pragma unroll
-        for (int r = 0; r < NX; r++) {
-            red[warp][g][r] = tot[r][0];
-            red[warp][g + 8][r] = tot[r][1];
-        }
-    }
-    __syncthreads();
-    if (threadIdx.x < 16 * NX) {
-        const int i = threadIdx.x & 15, r = threadIdx.x >> 4;
-        float v = 0.0f;
-        for (int w = 0; w < nw; w++) v += red[w][i][r];
-        const size_t row = (size_t)T * 16 + i;
-        if (row < (size_t)rows) y[(size_t)r * rows + row] = v;
-    }
-}
-
-// Version 2: the same loop with the epilogue spread over the four lanes of a group. Lane t weighs
-// its digit's sums (digit t; lane 3's columns are empty) by 256^t, and a reduce-scatter over the
-// group (3 shuffles) leaves lane t the total of one (row, input row): rows g (t < 2) or g + 8,
-// input row 2m + t % 2. Each lane loads its row's scales and biases once a quad, with the quad's
-// weights, one quad ahead; the per-chunk epilogue is then one LDS.64 and two FMAs a lane.
-template <int NX>
-__device__ __forceinline__ void mma2_rows_core(const uint4* __restrict__ F, const u16* __restrict__ S,
-                                               const u16* __restrict__ B, const float* __restrict__ x, float* y,
-                                               int rows, int cols, int gs) {
-    extern __shared__ float4 mv_smem[];
-    __shared__ float red[8][16][NX];
-    constexpr int MM = (NX + 1) / 2;
-    const int C = cols >> 5, NQ = C >> 2, gpr = cols / gs, gshift = __ffs(gs) - 1;
-    const int X4 = mvd_rows_float4s(cols);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int T = blockIdx.x;
-    // This lane's output row (within the tile) and the input rows' parity it finishes.
-    const int orow = g + 8 * (t >> 1), jj = t & 1;
-    const size_t grow = (size_t)T * 16 + orow;
-    const float wdig = t == 0 ? 1.0f : t == 1 ? 256.0f : t == 2 ? 65536.0f : 0.0f;
-    // The scale and bias of this lane's row for the 4 chunks of quad q (groups of gs inputs).
-    auto sb_of = [&](int q, u32 (&sb)[4]) {
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const size_t gi = grow * gpr + (((4 * q + j) << 5) >> gshift);
-            sb[j] = (u32)__ldg(S + gi) | ((u32)__ldg(B + gi) << 16);
-        }
-    };
-    int q = warp;
-    uint4 fa = make_uint4(0, 0, 0, 0), fb = fa;
-    u32 sb[4] = {0, 0, 0, 0};
-    if (q < NQ) {
-        const uint4* p = F + (((size_t)T * NQ + q) * 32 + lane) * 2;
-        fa = p[0];
-        fb = p[1];
-        sb_of(q, sb);
-    }
-    grid_enter();
-#pragma unroll
-    for (int r = 0; r < NX; r++) mvd_stage(x + (size_t)r * cols, MV_IN_NONE, mv_smem + r * X4, cols, nullptr);
-    float tot[MM];
-#pragma unroll
-    for (int m = 0; m < MM; m++) tot[m] = 0.0f;
-    const int dg = g >> 1;
-    while (q < NQ) {
-        const int qn = q + nw;
-        uint4 na = fa, nb = fb;
-        u32 sbn[4] = {sb[0], sb[1], sb[2], sb[3]};
-        if (qn < NQ) {
-            const uint4* p = F + (((size_t)T * NQ + qn) * 32 + lane) * 2;
-            na = p[0];
-            nb = p[1];
-            sb_of(qn, sbn);
-        }
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int c = 4 * q + j;
-            const u32 w0 = mv_word(fa, j), w1 = mv_word(fb, j);
-            const u32 a0 = w0 & 0x0F0F0F0Fu, a2 = (w0 >> 4) & 0x0F0F0F0Fu;
-            const u32 a1 = w1 & 0x0F0F0F0Fu, a3 = (w1 >> 4) & 0x0F0F0F0Fu;
-            const float scale = __uint_as_float(sb[j] << 16), bias = __uint_as_float(sb[j] & 0xffff0000u);
-#pragma unroll
-            for (int m = 0; m < MM; m++) {
-                const int rr = 2 * m + (g & 1);
-                u32 b0 = 0, b1 = 0;
-                if (dg < 3 && rr < NX) {
-                    const u32* base = (const u32*)(mv_smem + rr * X4 + c * MVD_CHUNK) + 12 * (t >> 1) + 6 * (t & 1);
-                    b0 = base[2 * dg];
-                    b1 = base[2 * dg + 1];
-                }
-                int d[4];
-                asm volatile(
-                    "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                    "{%10,%10,%10,%10};"
-                    : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-                    : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
-                // v[k]: this lane's digit's sums weighed, k = 2 (row g + 8) + input row parity.
-                float v[4];
-#pragma unroll
-                for (int k = 0; k < 4; k++) v[k] = (float)d[k] * wdig;
-                // Reduce-scatter over the group: lane t ends with the total of k = t.
-                const bool hi = t & 2;
-                const float keep0 = hi ? v[2] : v[0], keep1 = hi ? v[3] : v[1];
-                const float give0 = hi ? v[0] : v[2], give1 = hi ? v[1] : v[3];
-                const float u0 = keep0 + __shfl_xor_sync(0xffffffffu, give0, 2);
-                const float u1 = keep1 + __shfl_xor_sync(0xffffffffu, give1, 2);
-                const float sq = (jj ? u1 : u0) + __shfl_xor_sync(0xffffffffu, jj ? u0 : u1, 1);
-                const int r = 2 * m + jj;
-                if (r < NX) {
-                    const float2 mt = mvd_meta(mv_smem + r * X4, C)[c];
-                    tot[m] = fmaf(scale * mt.x, sq, fmaf(bias, mt.y, tot[m]));
-                }
-            }
-        }
-        fa = na;
-        fb = nb;
-#pragma unroll
-        for (int j = 0; j < 4; j++) sb[j] = sbn[j];
-        q = qn;
-    }
-#pragma unroll
-    for (int m = 0; m < MM; m++) {
-        const int r = 2 * m + jj;
-        if (r < NX) red[warp][orow][r] = tot[m];
-    }
-    __syncthreads();
-    if (threadIdx.x < 16 * NX) {
-        const int i = threadIdx.x & 15, r = threadIdx.x >> 4;
-        float v = 0.0f;
-        for (int w = 0; w < nw; w++) v += red[w][i][r];
-        const size_t row = (size_t)T * 16 + i;
-        if (row < (size_t)rows) y[(size_t)r * rows + row] = v;
-    }
-}
-
-#define MMA_ROWS(NX)                                                                                           \
-    extern "C" __global__ void __launch_bounds__(256) mma_rows##NX(const uint4* F, const u16* S, const u16* B, \
-                                                                   const float* x, float* y, int rows, int cols, \
-                                                                   int gs) {                                   \
-        mma_rows_core<NX>(F, S, B, x, y, rows, cols, gs);                                                      \
-    }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(256) mma2_rows##NX(const uint4* F, const u16* S, const u16* B, \
-                                                                    const float* x, float* y, int rows, int cols, \
-                                                                    int gs) {                                  \
-        mma2_rows_core<NX>(F, S, B, x, y, rows, cols, gs);                                                     \
-    }
-MMA_ROWS(1)
-MMA_ROWS(2)
-MMA_ROWS(4)
-
 // One m16n8k32 step of versions 5 and 6: word w0 of row g and w1 of row g + 8 (8 codes each, as
 // unsigned bytes: the even codes at k 4t.., the odd at 16 + 4t..) against B (b0, b1), summed into d.
 __device__ __forceinline__ void mma_codes(int (&d)[4], u32 w0, u32 w1, u32 b0, u32 b1) {
@@ -318,7 +68,7 @@ __device__ __forceinline__ void mma_codes(int (&d)[4], u32 w0, u32 w1, u32 b0, u
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// v2's reduce-scatter of the digit sums d (weighed by wdig, 256^t) over a group's four lanes: lane
+// The reduce-scatter of the digit sums d (weighed by wdig, 256^t) over a group's four lanes: lane
 // t ends with the total of row g (t < 2) or g + 8, input row t % 2 (of the mma's pair).
 __device__ __forceinline__ float mma_lane_sum(const int (&d)[4], float wdig, int t) {
     float v[4];
@@ -333,11 +83,11 @@ __device__ __forceinline__ float mma_lane_sum(const int (&d)[4], float wdig, int
     return (jj ? u1 : u0) + __shfl_xor_sync(0xffffffffu, jj ? u0 : u1, 1);
 }
 
-// Version 5's quad (versions 3 and 4, its steps, are in git history and in "Session 49" of
-// benchmark/notes-cuda.md): version 2's epilogue, with a group's two chunks summed as integers in
-// the mma's accumulator and the epilogue once a group, over x staged with one scale a group.
+// Version 5's quad: a group's two chunks summed as integers in the mma's accumulator and the
+// epilogue (the lanes' reduce-scatter, the group's scale and bias) once a group, over x staged with
+// one scale a group; the weights and scales in fragment order.
 template <int NX>
-__device__ __forceinline__ void mma3_quad(const uint4 fa, const uint4 fb, const u32 (&sb)[4], int q, int C, int X4,
+__device__ __forceinline__ void mma5_quad(const uint4 fa, const uint4 fb, const u32 (&sb)[4], int q, int C, int X4,
                                           int g, int t, float (&tot)[(NX + 1) / 2]) {
     extern __shared__ float4 mv_smem[];
     constexpr int MM = (NX + 1) / 2;
@@ -372,7 +122,7 @@ __device__ __forceinline__ void mma3_quad(const uint4 fa, const uint4 fb, const 
     }
 }
 
-// The scales and biases in fragment order (versions 4 and 5; groups of 64 inputs): a tile's quad
+// The scales and biases in fragment order (version 5; groups of 64 inputs): a tile's quad
 // holds its 16 rows' two (scale, bias) pairs, 128 bytes, so a lane loads its row's pairs with one
 // 8-byte load instead of eight 2-byte loads spread over 16 rows.
 extern "C" __global__ void mma_relayout_sb(const u16* __restrict__ S, const u16* __restrict__ B, u32* SB, int rows,
@@ -471,7 +221,7 @@ struct FragLd {
     template <int NX>
     __device__ __forceinline__ void quad(const Stage& st, int q, int C, int X4, int g, int t,
                                          float (&tot)[(NX + 1) / 2]) const {
-        mma3_quad<NX>(st.a, st.b, st.sb, q, C, X4, g, t, tot);
+        mma5_quad<NX>(st.a, st.b, st.sb, q, C, X4, g, t, tot);
     }
 };
 
@@ -599,36 +349,41 @@ MMA6_ROWS_NX(2)
 MMA6_ROWS_NX(4)
 "#;
 
-/// A kernel of version 5 or 6 (v3's loop): NX input rows, S warps a tile, P quads in flight a
-/// warp, a group's two chunks summed in the accumulator over x staged with one scale a group;
-/// version 5 reads the weights, scales and biases in fragment order, version 6 as stored.
+/// A kernel of the sweep: version `v` (5: weights and scales in fragment order, 6: as stored), NX
+/// input rows, S warps a tile, P quads in flight a warp.
 #[derive(Clone, Copy)]
-struct V3 {
+struct SweepKernel {
     nx: usize,
     s: usize,
     p: usize,
     v: usize,
 }
 
-impl V3 {
+impl SweepKernel {
     fn name(&self) -> String {
         format!("mma{}_rows{}_s{}_p{}", self.v, self.nx, self.s, self.p)
     }
 }
 
-/// Every version-5 kernel the probe compiles, then every version-6 kernel. (Versions 3 and 4 are
-/// no longer compiled: each was as fast or slower than the next in every setting, session 49.)
-const V3: [V3; 72] = {
-    let mut v = [V3 { nx: 1, s: 1, p: 2, v: 5 }; 72];
+/// Every version-5 kernel the probe compiles (MMA5_ROWS_NX), then every version-6 kernel.
+const SWEEP: [SweepKernel; 72] = {
+    let mut v = [SweepKernel { nx: 1, s: 1, p: 2, v: 5 }; 72];
     let (nxs, ss, ps) = ([1, 2, 4], [1, 2, 4, 8], [2, 4, 8]);
     let mut i = 0;
     while i < 72 {
         let j = i % 36;
-        v[i] = V3 { nx: nxs[j / 12], s: ss[j % 4], p: ps[(j / 4) % 3], v: if i < 36 { 5 } else { 6 } };
+        v[i] = SweepKernel { nx: nxs[j / 12], s: ss[j % 4], p: ps[(j / 4) % 3], v: if i < 36 { 5 } else { 6 } };
         i += 1;
     }
     v
 };
+
+/// The probe's kernels by name: the two relayouts, then [`SWEEP`] in order.
+fn kernel_names() -> Vec<String> {
+    let mut names = vec!["mma_relayout".to_string(), "mma_relayout_sb".to_string()];
+    names.extend(SWEEP.iter().map(|k| k.name()));
+    names
+}
 
 fn ptx(arch: &'static str) -> String {
     cherenkov_cuda::compile::compile_with_extra(arch, PROBE).unwrap_or_else(|e| panic!("{e:#}"))
@@ -643,12 +398,7 @@ fn mma_probe_kernels_compile() {
         return;
     }
     let p = ptx("sm_90");
-    let mut names: Vec<String> =
-        ["mma_relayout", "mma_rows1", "mma_rows2", "mma_rows4", "mma2_rows1", "mma2_rows2", "mma2_rows4"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-    names.extend(V3.iter().map(|v| v.name()));
+    let names = kernel_names();
     for k in &names {
         assert!(p.contains(&format!(".entry {k}(")), "{k}");
     }
@@ -660,7 +410,7 @@ fn mma_probe_kernels_compile() {
     std::fs::write(&src, p).unwrap();
     let mut cmd = std::process::Command::new(&ptxas);
     cmd.args(["-arch=sm_90", "-v"]);
-    for k in &names[1..] {
+    for k in &names[2..] {
         cmd.args(["-e", k]);
     }
     let run = cmd.arg("-o").arg(&out).arg(&src).output().unwrap();
@@ -671,21 +421,18 @@ fn mma_probe_kernels_compile() {
     for line in report.lines() {
         if let Some(rest) = line.split("Compiling entry function '").nth(1) {
             kernel = rest.split('\'').next().unwrap_or("?").to_string();
-        } else if (kernel.starts_with("mma") && !kernel.starts_with("mma_relayout"))
-            && (line.contains("spill stores") || line.contains("registers"))
-        {
+        } else if kernel.starts_with("mma") && (line.contains("spill stores") || line.contains("registers")) {
             eprintln!("{kernel}: {}", line.trim());
             if line.contains("spill stores") {
-                // Version 3's settings are a sweep: a few bytes of spill there are reported, not fatal.
-                let small = (kernel.starts_with("mma5_rows") || kernel.starts_with("mma6_rows"))
-                    && line.split(" bytes spill stores").next().and_then(|s| s.rsplit(' ').next()?.parse::<u32>().ok())
-                        <= Some(16);
-                assert!(line.contains(" 0 bytes spill stores") || small, "{kernel} spills: {line}");
+                // The settings are a sweep: a few bytes of spill are reported, not fatal.
+                let bytes =
+                    line.split(" bytes spill stores").next().and_then(|s| s.rsplit(' ').next()?.parse::<u32>().ok());
+                assert!(bytes <= Some(16), "{kernel} spills: {line}");
                 reported += 1;
             }
         }
     }
-    assert_eq!(reported, names.len() - 1, "ptxas's report:\n{report}");
+    assert_eq!(reported, SWEEP.len(), "ptxas's report:\n{report}");
 }
 
 #[test]
@@ -699,22 +446,16 @@ fn mma_probe() {
     // SAFETY: a NUL-terminated PTX image holding the engine's kernels and the probe's.
     let module =
         unsafe { cudarc::driver::result::module::load_data(image.as_ptr() as *const std::ffi::c_void).unwrap() };
-    let mut names: Vec<String> =
-        ["mma_relayout", "mma_rows1", "mma_rows2", "mma_rows4", "mma2_rows1", "mma2_rows2", "mma2_rows4"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-    names.extend(V3.iter().map(|v| v.name()));
-    names.push("mma_relayout_sb".into());
-    let funcs: Vec<_> = names
+    let funcs: Vec<_> = kernel_names()
         .iter()
         // SAFETY: the module is loaded and holds each name.
         .map(|k| unsafe {
             cudarc::driver::result::module::get_function(module, std::ffi::CString::new(k.as_str()).unwrap()).unwrap()
         })
         .collect();
+    let (relayout, relayout_sb, sweep_funcs) = (funcs[0], funcs[1], &funcs[2..]);
     // The probe's own module: its kernels' dynamic shared memory above 48 KiB (4 staged rows).
-    for f in &funcs[1..funcs.len() - 1] {
+    for f in sweep_funcs {
         // SAFETY: setting an attribute of a loaded function.
         unsafe {
             cudarc::driver::result::function::set_function_attribute(
@@ -746,85 +487,40 @@ fn mma_probe() {
         .chain([("11 experts' gate+up 14080x2560", 14080, 2560), ("11 experts' down 28160x640", 28160, 640)])
         .collect();
     assert!(shapes.iter().all(|s| s.1 <= 28160), "y holds 4 rows of at most 28160");
+    assert_eq!(GS, 64, "the probe's kernels take groups of 64 inputs");
     let mut failures = 0;
     for (name, rows, cols) in shapes {
         let m = Mat::new(&gpu, rows, cols);
         let chunks = cols / 32;
-        // Each copy in fragment order.
-        let frag: Vec<_> = (0..m.copies.len())
-            .map(|i| {
-                let f = gpu.alloc(rows * cols / 2, "probe fragments").unwrap();
-                let n = (rows / 16) * (chunks / 4) * 32;
-                // SAFETY: mma_relayout(W, F, rows, C) over copy i, F of the same bytes.
-                unsafe {
-                    probe::launch(
-                        &gpu,
-                        funcs[0],
-                        n.div_ceil(256) as u32,
-                        256,
-                        1,
-                        &[Arg::Ptr(m.copy(i).0), Arg::Ptr(f.ptr), Arg::I32(rows as i32), Arg::I32(chunks as i32)],
-                    )
-                    .unwrap()
-                };
-                f
-            })
-            .collect();
-        // Each copy's scales and biases in fragment order (version 4; groups of 64 inputs).
-        assert_eq!(GS, 64, "mma_relayout_sb packs two groups a quad");
-        let sbfrag: Vec<_> = (0..m.copies.len())
-            .map(|i| {
-                let n = (rows / 16) * (chunks / 4) * 32;
-                let f = gpu.alloc(n * 4, "probe scale fragments").unwrap();
-                let (_, s, b) = m.copy(i);
-                // SAFETY: mma_relayout_sb(S, B, SB, rows, C) over copy i, SB of n u32.
-                unsafe {
-                    probe::launch(
-                        &gpu,
-                        funcs[funcs.len() - 1],
-                        n.div_ceil(256) as u32,
-                        256,
-                        1,
-                        &[Arg::Ptr(s), Arg::Ptr(b), Arg::Ptr(f.ptr), Arg::I32(rows as i32), Arg::I32(chunks as i32)],
-                    )
-                    .unwrap()
-                };
-                f
-            })
-            .collect();
+        // Each copy's weights (mma_relayout, as many bytes) and scales and biases (mma_relayout_sb,
+        // a u32 a row and group) in fragment order, for version 5.
+        let n = (rows / 16) * (chunks / 4) * 32;
+        let relaid = |f, bytes, what, args: &dyn Fn(usize, u64) -> Vec<Arg>| -> Vec<_> {
+            (0..m.copies.len())
+                .map(|i| {
+                    let out = gpu.alloc(bytes, what).unwrap();
+                    // SAFETY: the relayout over copy i into `out`, sized for its writes.
+                    unsafe { probe::launch(&gpu, f, n.div_ceil(256) as u32, 256, 1, &args(i, out.ptr)).unwrap() };
+                    out
+                })
+                .collect()
+        };
+        let dims = [Arg::I32(rows as i32), Arg::I32(chunks as i32)];
+        let frag = relaid(relayout, rows * cols / 2, "probe fragments", &|i, out| {
+            [vec![Arg::Ptr(m.copy(i).0), Arg::Ptr(out)], dims.to_vec()].concat()
+        });
+        let sbfrag = relaid(relayout_sb, n * 4, "probe scale fragments", &|i, out| {
+            let (_, s, b) = m.copy(i);
+            [vec![Arg::Ptr(s), Arg::Ptr(b), Arg::Ptr(out)], dims.to_vec()].concat()
+        });
         gpu.sync().unwrap();
         println!("\n## {name}: {} copies of {:.2} MB", m.copies.len(), m.bytes() as f64 / 1e6);
-        // Version v (1 or 2) of the mma core.
-        let mma = |v: usize, nx: usize, i: usize, yp: u64| {
-            let (_, s, b) = m.copy(i);
-            let k = 3 * (v - 1)
-                + match nx {
-                    1 => 1,
-                    2 => 2,
-                    _ => 3,
-                };
-            let args = [
-                Arg::Ptr(frag[i % frag.len()].ptr),
-                Arg::Ptr(s),
-                Arg::Ptr(b),
-                Arg::Ptr(x.ptr),
-                Arg::Ptr(yp),
-                Arg::I32(rows as i32),
-                Arg::I32(cols as i32),
-                Arg::I32(GS as i32),
-            ];
-            let smem = (nx * rows_staging_bytes(cols)) as u32;
-            // SAFETY: mma_rowsNX(F, S, B, x, y, rows, cols, gs) over copy i in fragment order.
-            unsafe { gpu.launch_function(funcs[k], "mma_rows", ((rows / 16) as u32, 1, 1), 256, smem, &args, true) }
-                .unwrap();
-        };
-        // Version 3, kernel k of V3, blocks of `threads`.
-        let mma3 = |k: usize, threads: usize, i: usize, yp: u64| {
-            let v = V3[k];
-            let (_, s, b) = m.copy(i);
-            // Version 6 reads the copy as stored; 5 its fragment-order images.
-            let (w, s) =
-                if v.v == 6 { (m.copy(i).0, s) } else { (frag[i % frag.len()].ptr, sbfrag[i % sbfrag.len()].ptr) };
+        // Sweep kernel k over copy i into yp, blocks of 256 threads.
+        let sweep = |k: usize, i: usize, yp: u64| {
+            let v = SWEEP[k];
+            let (w, s, b) = m.copy(i);
+            // Version 6 reads the copy as stored, version 5 its fragment-order images.
+            let (w, s) = if v.v == 6 { (w, s) } else { (frag[i % frag.len()].ptr, sbfrag[i % sbfrag.len()].ptr) };
             let args = [
                 Arg::Ptr(w),
                 Arg::Ptr(s),
@@ -835,15 +531,11 @@ fn mma_probe() {
                 Arg::I32(cols as i32),
                 Arg::I32(GS as i32),
             ];
-            let tpb = threads / 32 / v.s;
-            let grid = (rows / 16).div_ceil(tpb) as u32;
+            let grid = (rows / 16).div_ceil(8 / v.s) as u32;
             let smem = (v.nx * rows_staging_bytes(cols)) as u32;
-            // SAFETY: mma3_rowsNX_sS_pP(F, S, B, x, y, rows, cols, gs) over copy i in fragment order.
-            unsafe { gpu.launch_function(funcs[7 + k], "mma3_rows", (grid, 1, 1), threads as u32, smem, &args, true) }
-                .unwrap();
+            // SAFETY: mma{5,6}_rowsNX_sS_pP(W or F, S or SB, B, x, y, rows, cols, gs) over copy i.
+            unsafe { gpu.launch_function(sweep_funcs[k], "mma_rows", (grid, 1, 1), 256, smem, &args, true) }.unwrap();
         };
-        // The version-3 and -4 settings tried: every kernel, blocks of 256 threads (128 never won).
-        let v3_runs: Vec<(usize, usize)> = (0..V3.len()).map(|k| (k, 256usize)).collect();
         // The engine's kernels with its plans: matvec_q4 (one row at a time) and matvec_q4_x{nx}.
         let engine = |nx: usize, i: usize, yp: u64| {
             let (min_blocks, shmem) =
@@ -851,9 +543,10 @@ fn mma_probe() {
             let p = tile_plan(&gpu, rows / 4, chunks, 1, min_blocks, shmem);
             probe::engine_q4(&gpu, nx, &m, i, x.ptr, yp, p.lanes, p.blocks, p.threads);
         };
-        // Correctness: each row of the mma core against the engine's matvec_q4 on that row.
-        for (v, nx) in [1usize, 2].into_iter().flat_map(|v| [1usize, 2, 4].map(|nx| (v, nx))) {
-            mma(v, nx, 0, y.ptr);
+        // Correctness: each row of every sweep kernel against the engine's matvec_q4 on that row.
+        for (k, v) in SWEEP.iter().enumerate() {
+            let nx = v.nx;
+            sweep(k, 0, y.ptr);
             engine(nx, 0, y1.ptr);
             gpu.sync().unwrap();
             let (mut a, mut b) = (vec![0f32; nx * rows], vec![0f32; nx * rows]);
@@ -864,45 +557,25 @@ fn mma_probe() {
             // Said and counted, not asserted at once: one run on the GPU machine reports every shape.
             if worst > 1e-5 * scale.max(1.0) {
                 println!(
-                    "WRONG: mma core {v}, {nx} rows, against the engine: {worst} (scale {scale}); first rows {:?} against {:?}",
+                    "WRONG: {} against the engine: {worst} (scale {scale}); first rows {:?} against {:?}",
+                    v.name(),
                     &a[..4],
                     &b[..4]
                 );
                 failures += 1;
             }
         }
-        for &(k, th) in &v3_runs {
-            let nx = V3[k].nx;
-            mma3(k, th, 0, y.ptr);
-            engine(nx, 0, y1.ptr);
-            gpu.sync().unwrap();
-            let (mut a, mut b) = (vec![0f32; nx * rows], vec![0f32; nx * rows]);
-            gpu.dtoh(y.ptr, &mut a).unwrap();
-            gpu.dtoh(y1.ptr, &mut b).unwrap();
-            let worst = a.iter().zip(&b).fold(0f32, |w, (p, q)| w.max((p - q).abs()));
-            let scale = b.iter().fold(0f32, |w, v| w.max(v.abs()));
-            if worst > 1e-5 * scale.max(1.0) {
-                println!(
-                    "WRONG: {} ({th} threads) against the engine: {worst} (scale {scale}); first rows {:?} against {:?}",
-                    V3[k].name(),
-                    &a[..4],
-                    &b[..4]
-                );
-                failures += 1;
-            }
-        }
-        // Versions 3 and 4: every setting's time, and the best for each version and number of rows.
+        // Every setting's time, and the best for each version and number of rows.
         let mut best: [(f64, String); 6] = std::array::from_fn(|_| (f64::MAX, String::new()));
         let mut all = String::new();
-        for &(k, th) in &v3_runs {
-            let us = time(&gpu, |i| mma3(k, th, i, y.ptr));
-            let v = V3[k];
+        for (k, v) in SWEEP.iter().enumerate() {
+            let us = time(&gpu, |i| sweep(k, i, y.ptr));
             let slot = match v.nx {
                 1 => 0,
                 2 => 1,
                 _ => 2,
             } + if v.v == 6 { 3 } else { 0 };
-            let label = format!("v{} s{} p{} {th}t", v.v, v.s, v.p);
+            let label = format!("v{} s{} p{} 256t", v.v, v.s, v.p);
             all += &format!(" {}r {label} {us:.2};", v.nx);
             if us < best[slot].0 {
                 best[slot] = (us, label);
@@ -915,28 +588,15 @@ fn mma_probe() {
                 b[0].0, b[0].1, b[1].0, b[1].1, b[2].0, b[2].1
             );
         }
-        let mut line = String::new();
-        let mut one = (0.0, 0.0, 0.0);
-        for nx in [1usize, 2, 4] {
-            let a = time(&gpu, |i| mma(1, nx, i, y.ptr));
-            let a2 = time(&gpu, |i| mma(2, nx, i, y.ptr));
-            let b = time(&gpu, |i| engine(nx, i, y1.ptr));
-            if nx == 1 {
-                one = (a, a2, b);
-            }
-            line += &format!(
-                "  {nx} row(s): mma {a:.2} us ({:.2}x), mma v2 {a2:.2} us ({:.2}x), engine {b:.2} us ({:.2}x)",
-                a / one.0,
-                a2 / one.1,
-                b / one.2
-            );
-        }
-        println!("{}", line.trim_start());
+        let engine_us = [1usize, 2, 4].map(|nx| time(&gpu, |i| engine(nx, i, y1.ptr)));
         println!(
-            "one row: mma {:.0} GB/s, mma v2 {:.0} GB/s, engine {:.0} GB/s",
-            m.bytes() as f64 / (one.0 * 1e-6) / 1e9,
-            m.bytes() as f64 / (one.1 * 1e-6) / 1e9,
-            m.bytes() as f64 / (one.2 * 1e-6) / 1e9
+            "engine: 1 row {:.2} us, 2 rows {:.2} us ({:.2}x), 4 rows {:.2} us ({:.2}x); one row {:.0} GB/s",
+            engine_us[0],
+            engine_us[1],
+            engine_us[1] / engine_us[0],
+            engine_us[2],
+            engine_us[2] / engine_us[0],
+            m.bytes() as f64 / (engine_us[0] * 1e-6) / 1e9
         );
     }
     assert_eq!(failures, 0, "the mma core disagreed with the engine (above)");
