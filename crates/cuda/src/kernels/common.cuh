@@ -45,15 +45,15 @@ __device__ TlRec* tl_buf;
 __device__ u32 tl_cap;
 __device__ u32 tl_n;
 __device__ u32 tl_on;
+__shared__ u64 tl_start;
 __shared__ u64 tl_waited;
 __shared__ u64 tl_marked;
 
 struct TlSpan {
     const char* name;
-    u64 start;
-    __device__ explicit TlSpan(const char* n) : name(n), start(0) {
+    __device__ explicit TlSpan(const char* n) : name(n) {
         if (threadIdx.x == 0) {
-            start = global_ns();
+            tl_start = global_ns();
             tl_waited = 0;
             tl_marked = 0;
         }
@@ -72,7 +72,7 @@ struct TlSpan {
         r.block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
         r.blocks = gridDim.x * gridDim.y * gridDim.z;
         r.smid = smid;
-        r.start = start;
+        r.start = tl_start;
         r.waited = tl_waited;
         r.end = end;
         r.marked = tl_marked;
