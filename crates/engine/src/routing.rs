@@ -147,9 +147,14 @@ struct Layer {
     previous: Vec<usize>,
     /// Tokens routed at this layer so far (the noise's counter).
     tokens: u64,
-    /// The noise of a later token, drawn ahead ([`SkewedRouting::prepare_noise`]).
-    next_noise: Option<Drawn>,
+    /// The noise of later tokens, drawn ahead ([`SkewedRouting::prepare_noise_at`]): at most
+    /// [`DRAWN_AHEAD`], none for a token already routed.
+    drawn: Vec<Drawn>,
 }
+
+/// Tokens whose noise a layer keeps drawn ahead: a verifying pass routes two rows at once, and
+/// the next pass's two rows are drawn while it runs.
+const DRAWN_AHEAD: usize = 3;
 
 /// One token's noise at one layer, and a lookahead's estimate of it where drawn.
 struct Drawn {
@@ -241,7 +246,7 @@ impl SkewedRouting {
             popularity: self.popularity(layer, num_experts),
             previous: Vec::new(),
             tokens: 0,
-            next_noise: None,
+            drawn: Vec::new(),
         });
         f(l)
     }
@@ -266,7 +271,7 @@ impl SkewedRouting {
         if self.skew.noise > 0.0 && self.skew.foresight > 0.0 {
             // The estimate drawn ahead for this token, if it was (left in place for its bias).
             let (token, ready) = self.with_layer(layer, num_experts, |l| {
-                let ready = l.next_noise.as_ref().filter(|d| d.token == l.tokens);
+                let ready = l.drawn.iter().find(|d| d.token == l.tokens);
                 (l.tokens, ready.and_then(|d| d.estimate.clone()).filter(|m| m.len() == num_experts))
             });
             let estimate = ready.unwrap_or_else(|| self.estimate(layer, token, &self.noise(layer, token, num_experts)));
@@ -282,21 +287,29 @@ impl SkewedRouting {
     /// popularity, reuse and that token's noise. Calling it again before
     /// [`SkewedRouting::observe`] gives the same noise.
     pub fn bias(&self, layer: usize, num_experts: usize) -> Vec<f32> {
+        self.bias_at(layer, num_experts, 0)
+    }
+
+    /// [`SkewedRouting::bias`] for the token `ahead` tokens after the one now being routed at
+    /// `layer` (0: that one), with the reuse bonus of the last token observed there: a verifying
+    /// pass routes its second row before the first row's experts are known to the host, so that
+    /// row's reuse bonus is the first row's (the benchmark's synthetic routers only).
+    pub fn bias_at(&self, layer: usize, num_experts: usize, ahead: u64) -> Vec<f32> {
         // The noise drawn ahead for this token, if it was (and only that: a draw for a later token
         // stays for it). Its estimate stays too: a CUDA step takes every layer's bias before the
         // lookahead predicts any layer, and drawing the estimate again cost 19.2 us of host time
         // per streamed block on the build machine (0.4 with it kept).
-        let (tokens, ready) = self.with_layer(layer, num_experts, |l| {
-            let tokens = l.tokens;
-            let mine = l.next_noise.as_mut().filter(|d| d.token == tokens);
-            (tokens, mine.map(|d| std::mem::take(&mut d.noise)))
+        let (token, ready) = self.with_layer(layer, num_experts, |l| {
+            let token = l.tokens + ahead;
+            let mine = l.drawn.iter_mut().find(|d| d.token == token);
+            (token, mine.map(|d| std::mem::take(&mut d.noise)))
         });
         let mut b = self.known_bias(layer, num_experts);
         if self.skew.noise > 0.0 {
             let sigma = self.skew.noise as f32;
             let noise = match ready {
                 Some(n) if n.len() == num_experts => n,
-                _ => self.noise(layer, tokens, num_experts),
+                _ => self.noise(layer, token, num_experts),
             };
             for (b, n) in b.iter_mut().zip(noise) {
                 *b += sigma * n;
@@ -312,30 +325,41 @@ impl SkewedRouting {
     /// predict that token at `layer`), a predictor's estimate of it too, for
     /// [`SkewedRouting::predict_bias`]. The values are the same either way.
     pub fn prepare_noise(&self, layer: usize, num_experts: usize, estimate: bool) {
+        self.prepare_noise_at(layer, num_experts, estimate, 1);
+    }
+
+    /// [`SkewedRouting::prepare_noise`] for the token `ahead` tokens after the one being routed now
+    /// (1: the next one), keeping what was drawn for the tokens between.
+    pub fn prepare_noise_at(&self, layer: usize, num_experts: usize, estimate: bool, ahead: u64) {
         if self.skew.noise <= 0.0 {
             return;
         }
         let estimate = estimate && self.skew.foresight > 0.0;
-        // The next token's counter and its noise if drawn already, unless nothing is missing.
+        // The token's counter and its noise if drawn already, unless nothing is missing.
         let todo = self.with_layer(layer, num_experts, |l| {
-            let next = l.tokens + 1;
-            match l.next_noise.take() {
-                Some(d) if d.token == next && (d.estimate.is_some() || !estimate) => {
-                    l.next_noise = Some(d);
-                    None
-                }
-                Some(d) if d.token == next => Some((next, Some(d.noise))),
-                other => {
-                    l.next_noise = other;
-                    Some((next, None))
-                }
+            let next = l.tokens + ahead;
+            let tokens = l.tokens;
+            l.drawn.retain(|d| d.token >= tokens);
+            match l.drawn.iter().position(|d| d.token == next) {
+                Some(i) if l.drawn[i].estimate.is_some() || !estimate => None,
+                Some(i) => Some((next, Some(l.drawn.remove(i).noise))),
+                None => Some((next, None)),
             }
         });
         let Some((next, drawn)) = todo else { return };
         // Drawn outside the lock: the lookahead may route meanwhile.
-        let noise = drawn.unwrap_or_else(|| self.noise(layer, next, num_experts));
+        let noise = match drawn {
+            Some(n) if n.len() == num_experts => n,
+            _ => self.noise(layer, next, num_experts),
+        };
         let estimate = estimate.then(|| self.estimate(layer, next, &noise));
-        self.with_layer(layer, num_experts, |l| l.next_noise = Some(Drawn { token: next, noise, estimate }));
+        self.with_layer(layer, num_experts, |l| {
+            l.drawn.retain(|d| d.token != next);
+            if l.drawn.len() == DRAWN_AHEAD {
+                l.drawn.remove(0);
+            }
+            l.drawn.push(Drawn { token: next, noise, estimate });
+        });
     }
 
     /// The noise stream of the `tokens`-th token routed at `layer`.
@@ -381,7 +405,7 @@ impl SkewedRouting {
             popularity: self.popularity(layer, num_experts),
             previous: Vec::new(),
             tokens: 0,
-            next_noise: None,
+            drawn: Vec::new(),
         });
         if !l.previous.is_empty() {
             *shared += chosen.iter().filter(|e| l.previous.contains(e)).count() as u64;
@@ -654,6 +678,26 @@ mod tests {
         assert_eq!((ahead, ahead_routed), (default, routed), "estimates drawn ahead are the ones drawn on demand");
     }
 
+    /// A verifying pass takes its second row's bias before the first row is observed: the noise is
+    /// the second token's, drawn ahead or not, and the reuse bonus the last observed token's.
+    #[test]
+    fn a_bias_ahead_has_the_later_tokens_noise() {
+        let e = 512;
+        let skew = Skew { reuse: 0.0, ..Skew::default() };
+        let (a, b) = (SkewedRouting::new(skew), SkewedRouting::new(skew));
+        a.observe(2, &[1, 2], e);
+        b.observe(2, &[1, 2], e);
+        // The next two tokens' noise drawn ahead by `a`, kept side by side.
+        a.prepare_noise_at(2, e, false, 1);
+        a.prepare_noise_at(2, e, false, 2);
+        assert_eq!(a.with_layer(2, e, |l| l.drawn.len()), 2);
+        let (now, ahead) = (a.bias_at(2, e, 0), a.bias_at(2, e, 1));
+        assert_ne!(now, ahead);
+        assert_eq!(now, b.bias(2, e));
+        b.observe(2, &[3, 4], e);
+        assert_eq!(ahead, b.bias(2, e), "the bias one token ahead is that token's bias");
+    }
+
     /// A CUDA step takes every layer's bias first, then predicts the layers one by one: the
     /// estimate drawn ahead must survive the bias, and be the one drawn on demand.
     #[test]
@@ -661,9 +705,7 @@ mod tests {
         let e = 512;
         let (a, b) = (SkewedRouting::new(Skew::default()), SkewedRouting::new(Skew::default()));
         let drawn = |r: &SkewedRouting| {
-            r.with_layer(2, e, |l| {
-                l.next_noise.as_ref().is_some_and(|d| d.estimate.as_ref().is_some_and(|m| m.len() == e))
-            })
+            r.with_layer(2, e, |l| l.drawn.iter().any(|d| d.estimate.as_ref().is_some_and(|m| m.len() == e)))
         };
         a.observe(2, &[1, 2], e);
         b.observe(2, &[1, 2], e);
