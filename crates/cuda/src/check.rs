@@ -1173,8 +1173,62 @@ pub fn run_all(cuda: &CudaModel, cpu: &CpuModel, seed: u64, label: &str) -> Resu
     let mut rows = linear_checks(&cuda.gpu, &mut rng)?;
     rows.extend(block_checks(cuda, cpu, &mut rng, label)?);
     rows.extend(drafting_checks(cuda, cpu, &mut rng, label)?);
+    rows.extend(verify_rows_checks(cuda, &mut rng, label)?);
     rows.extend(gdn_rows_checks(&cuda.gpu, &mut rng)?);
     Ok(rows)
+}
+
+/// A verifying forward of two rows run as one pass over both ([`CudaModel::verify_rows`]) against
+/// the same rows run as two steps, on two sessions fed the same tokens: both rows' logits, then a
+/// commit of one row (the pass's record restored) and of two, each followed by a plain forward.
+/// Where the pass launches the steps' kernels once a row, the rows differ only where a kernel's
+/// sums are ordered by the hardware. The rows' names say where the pass did not run (experts not
+/// all resident, or the shared expert on the side stream).
+pub fn verify_rows_checks(cuda: &CudaModel, rng: &mut Rng, label: &str) -> Result<Vec<CheckRow>> {
+    let vocab = cuda.config().vocab_size;
+    let (mut p, mut q) = (cuda.new_session()?, cuda.new_session()?);
+    let tokens: Vec<u32> = (0..11).map(|_| (rng.next_u64() % vocab as u64) as u32).collect();
+    let mut worst = [0f64; 3];
+    let before = cuda.rows_run();
+    let both = |f: &mut dyn FnMut(&mut crate::session::CudaSession) -> Result<Vec<f32>>,
+                p: &mut crate::session::CudaSession,
+                q: &mut crate::session::CudaSession|
+     -> Result<f64> {
+        cuda.set_verify_rows(true);
+        let a = f(p);
+        cuda.set_verify_rows(false);
+        let b = f(q);
+        cuda.set_verify_rows(true);
+        Ok(rel_err(&a?, &b?))
+    };
+    worst[0] = worst[0].max(both(&mut |s| cuda.forward_tokens(s, &tokens[..5], Logits::Last), &mut p, &mut q)?);
+    for (i, keep) in [(5, 1), (8, 2)] {
+        let e = both(&mut |s| cuda.verify(s, &tokens[i..i + 2]), &mut p, &mut q)?;
+        worst[1] = worst[1].max(e);
+        cuda.commit(&mut p, keep)?;
+        cuda.commit(&mut q, keep)?;
+        let e = both(&mut |s| cuda.forward_tokens(s, &tokens[i + 2..i + 3], Logits::Last), &mut p, &mut q)?;
+        worst[2] = worst[2].max(e);
+    }
+    let ran = cuda.rows_run() - before;
+    let (x2, gdn) = cuda.rows_in_proj_layers();
+    let how = if ran == 2 {
+        format!("as one pass (input projections over both rows in one launch in {x2} of {gdn} GDN layers)")
+    } else {
+        format!("(ran as one pass {ran} of 2 times)")
+    };
+    Ok(vec![
+        CheckRow {
+            name: format!("{label}: verifying forward {how} against two steps, both rows"),
+            rel_err: worst[1],
+            limit: 1e-6,
+        },
+        CheckRow {
+            name: format!("{label}: verifying forward {how}, plain forwards after commits of 1 and 2"),
+            rel_err: worst[2].max(worst[0]),
+            limit: 1e-6,
+        },
+    ])
 }
 
 /// `gdn_recurrent_rows` over two rows against two launches of `gdn_recurrent_split`, on random
@@ -1250,7 +1304,7 @@ pub fn gdn_rows_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
     let out2 = gpu.zeros(2 * heads * 4, "check output")?;
     let mut rows_args = args(qkv.ptr, a.ptr, b.ptr, s2.ptr, out2.ptr, z.ptr);
     rows_args.insert(6, Arg::Ptr(mid.ptr));
-    rows_args.extend([Arg::I32(2), Arg::I32(width as i32), Arg::I32(0)]);
+    rows_args.extend([Arg::I32(2), Arg::I32(width as i32), Arg::I32(nv as i32), Arg::I32(heads as i32), Arg::I32(0)]);
     gpu.launch("gdn_recurrent_rows", (nv as u32, 1, 1), threads, shared, &rows_args)?;
     let read = |p: u64, n: usize| -> Result<Vec<f32>> {
         let mut v = vec![0f32; n];

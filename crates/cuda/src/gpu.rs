@@ -55,11 +55,12 @@ fn gib(b: usize) -> String {
     format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
 }
 
-/// A device allocation; freed on drop.
+/// A device allocation; freed on drop (unless it is a view of another: [`DevBuf::view`]).
 pub struct DevBuf {
     pub ptr: u64,
     pub bytes: usize,
     ctx: Arc<CudaContext>,
+    owned: bool,
 }
 
 impl DevBuf {
@@ -67,11 +68,20 @@ impl DevBuf {
     pub fn at(&self, off: usize) -> u64 {
         self.ptr + off as u64
     }
+
+    /// `bytes` bytes of this allocation from `off`, as a buffer that frees nothing: the caller
+    /// keeps this one alive as long as the view (a verifying pass's rows share one allocation).
+    pub fn view(&self, off: usize, bytes: usize) -> Result<DevBuf> {
+        if off.checked_add(bytes).is_none_or(|end| end > self.bytes) {
+            bail!("a view of {bytes} bytes at {off} does not fit an allocation of {} bytes", self.bytes);
+        }
+        Ok(DevBuf { ptr: self.ptr + off as u64, bytes, ctx: self.ctx.clone(), owned: false })
+    }
 }
 
 impl Drop for DevBuf {
     fn drop(&mut self) {
-        if self.ptr != 0 {
+        if self.owned && self.ptr != 0 {
             let _ = self.ctx.bind_to_thread();
             // SAFETY: ptr came from cuMemAlloc in this context and is freed once.
             unsafe {
@@ -112,6 +122,12 @@ thread_local! {
     static ON_SIDE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     /// Whether this thread is capturing the compute stream into a graph ([`Gpu::capture`]).
     static CAPTURING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// The split matvecs' scratch for this thread's launches where not the GPU's own
+    /// ([`Gpu::with_split_scratch`]; 0: the GPU's).
+    static SPLIT_AT: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// The rows this thread's launches serve and the bytes between two rows' vectors
+    /// ([`Gpu::with_rows`]; 1 row: a plain launch).
+    static ROWS: std::cell::Cell<(u32, u64)> = const { std::cell::Cell::new((1, 0)) };
 }
 
 pub struct Gpu {
@@ -131,7 +147,7 @@ pub struct Gpu {
     pub pdl: bool,
     /// Zeroed scratch of the split matvecs ([`SPLIT_SCRATCH_BYTES`]): their counters are back to
     /// zero after every launch, and launches on the one compute stream never overlap.
-    pub split_scratch: DevBuf,
+    split_scratch: DevBuf,
     /// Kernels launched twice in a row (`CHERENKOV_TWICE`, comma-separated names): a measurement
     /// of what one launch of a kernel costs where it stands in a step (replayed from a graph, with
     /// its neighbours overlapping it): the step's time with the kernel doubled, less the step's
@@ -187,7 +203,7 @@ impl Gpu {
         let split_scratch = unsafe {
             let ptr = cu::malloc_sync(SPLIT_SCRATCH_BYTES)
                 .map_err(|e| anyhow::anyhow!("cannot allocate the matvec scratch: {e}"))?;
-            let buf = DevBuf { ptr, bytes: SPLIT_SCRATCH_BYTES, ctx: ctx.clone() };
+            let buf = DevBuf { ptr, bytes: SPLIT_SCRATCH_BYTES, ctx: ctx.clone(), owned: true };
             cu::memset_d8_sync(ptr, 0, SPLIT_SCRATCH_BYTES).map_err(|e| anyhow::anyhow!("memset failed: {e}"))?;
             buf
         };
@@ -197,7 +213,7 @@ impl Gpu {
                     // SAFETY: plain allocation in the bound context.
                     let ptr = unsafe { cu::malloc_sync(bytes) }
                         .map_err(|e| anyhow::anyhow!("cannot allocate the kernel timeline: {e}"))?;
-                    Ok(DevBuf { ptr, bytes, ctx: ctx.clone() })
+                    Ok(DevBuf { ptr, bytes, ctx: ctx.clone(), owned: true })
                 };
                 Some(crate::timeline::Timeline::new(module, alloc, compile::KERNELS, path, steps)?)
             }
@@ -234,6 +250,43 @@ impl Gpu {
     /// [`Gpu::on_side`].
     fn launch_stream(&self) -> sys::CUstream {
         if ON_SIDE.get() { self.side } else { self.stream }
+    }
+
+    /// The split matvecs' scratch for a launch queued now by this thread: the GPU's own, or the one
+    /// [`Gpu::with_split_scratch`] names.
+    pub fn split_scratch_ptr(&self) -> u64 {
+        match SPLIT_AT.get() {
+            0 => self.split_scratch.ptr,
+            at => at,
+        }
+    }
+
+    /// Runs `f` with this thread's launches using the split scratch at `at` (zeroed,
+    /// [`SPLIT_SCRATCH_BYTES`]) instead of the GPU's own: a verifying pass gives each row its own,
+    /// at the same distance from the row's other scratch as every other buffer, so that one launch
+    /// may serve both rows.
+    pub fn with_split_scratch<R>(&self, at: u64, f: impl FnOnce() -> R) -> R {
+        let before = SPLIT_AT.replace(at);
+        let r = f();
+        SPLIT_AT.set(before);
+        r
+    }
+
+    /// Runs `f` with this thread's launches serving `rows` rows of a verifying pass whose vectors
+    /// lie `stride` bytes apart ([`Gpu::rows`]). Inside, only launches that serve the rows (their
+    /// grid's z is `rows`: the `*_rows` kernels) are accepted; any other fails, naming the kernel,
+    /// so that no row is left out unnoticed.
+    pub fn with_rows<R>(&self, rows: u32, stride: u64, f: impl FnOnce() -> R) -> R {
+        let before = ROWS.replace((rows.max(1), stride));
+        let r = f();
+        ROWS.set(before);
+        r
+    }
+
+    /// The rows this thread's launches serve and the bytes from one row's vectors to the next's
+    /// ((1, 0) outside [`Gpu::with_rows`]).
+    pub fn rows(&self) -> (u32, u64) {
+        ROWS.get()
     }
 
     /// Forks the side stream from the compute stream: work queued by a later [`Gpu::on_side`] runs
@@ -314,7 +367,7 @@ impl Gpu {
         self.bind()?;
         // SAFETY: plain allocation in the bound context.
         match unsafe { cu::malloc_sync(bytes.max(1)) } {
-            Ok(ptr) => Ok(DevBuf { ptr, bytes, ctx: self.ctx.clone() }),
+            Ok(ptr) => Ok(DevBuf { ptr, bytes, ctx: self.ctx.clone(), owned: true }),
             Err(e) => {
                 let (free, total) = cu::mem_get_info().unwrap_or((0, 0));
                 bail!(
@@ -408,6 +461,10 @@ impl Gpu {
     ) -> Result<()> {
         if cluster > 8 || !grid.0.is_multiple_of(cluster) {
             bail!("{name}: clusters of {cluster} blocks for a grid of {} along x", grid.0);
+        }
+        let (rows, _) = ROWS.get();
+        if rows > 1 && grid.2 != rows {
+            bail!("{name} was launched for a verifying pass's {rows} rows, and it serves one row a launch");
         }
         let f = *self.funcs.get(name).with_context(|| format!("no kernel named {name}"))?;
         // SAFETY: f is a kernel of the loaded module, and every caller passes the arguments its

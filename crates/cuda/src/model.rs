@@ -48,6 +48,7 @@ use crate::weights::{
 };
 
 mod mtp;
+mod rows;
 use mtp::uncommitted;
 
 /// The candidates a step with [`Want::Top`] left in its output (`k` ids as f32 bit patterns, then
@@ -319,6 +320,18 @@ pub(crate) struct Scratch {
     /// ([`ple_rows_at`]); and their host side.
     pub(crate) step_in: DevBuf,
     pub(crate) step_host: Pinned,
+}
+
+/// How a GDN layer's recurrence runs ([`CudaModel::gdn_recurrence`]).
+pub(crate) struct GdnRecurrence {
+    pub(crate) kernel: &'static str,
+    pub(crate) threads: u32,
+    /// Dynamic shared memory, bytes.
+    pub(crate) shared: u32,
+    /// Whether the kernel is `gdn_recurrent_split` (whose rows kernel is `gdn_recurrent_rows`).
+    pub(crate) split: bool,
+    /// Whether it writes the out_proj's staged image.
+    pub(crate) image: bool,
 }
 
 /// Where the PLE rows start in the step inputs (bytes): past the token and position, aligned as
@@ -678,6 +691,23 @@ pub struct CudaModel {
     graph: Mutex<Vec<(GraphKey, Graph)>>,
     /// The MTP head's steps replayed from graphs (every expert resident, below the QSA budget).
     mtp_graphs: Mutex<Vec<(mtp::MtpGraphKey, Graph)>>,
+    /// A verifying forward of two rows runs as one pass over both, stage by stage
+    /// ([`CudaModel::verify_rows`]; `CHERENKOV_VERIFY_ROWS=0`: as two steps). The rows' scratch
+    /// (made at the first such forward) and the passes' graphs.
+    verify_rows: std::sync::atomic::AtomicBool,
+    /// Verifying forwards run as passes so far (the checks ask whether theirs did).
+    rows_run: std::sync::atomic::AtomicU64,
+    /// Whether a verifying pass launches the stages that can serve both rows once for both
+    /// (`CHERENKOV_ROWS_APART=1`: every stage once a row, a measurement of the scaffold alone).
+    rows_fused: bool,
+    /// Whether the pass's GDN input projections take both rows in each block (`matvec_many_x2`;
+    /// `CHERENKOV_ROWS_IN_PROJ_APART=1`: one launch a row, a measurement).
+    rows_in_proj_x2: bool,
+    /// GDN layers of the last captured pass whose input projections took both rows in one launch,
+    /// and its GDN layers (the checks name them).
+    rows_in_proj_layers: std::sync::atomic::AtomicU64,
+    row_scratch: Mutex<Option<rows::RowScratch>>,
+    rows_graphs: Mutex<Vec<(rows::RowsKey, Graph)>>,
     predicted: Mutex<Vec<Option<Vec<usize>>>>,
     /// Accumulated decode timing (reset with [`CudaModel::reset_timing`]).
     timing: Mutex<StepTiming>,
@@ -685,6 +715,69 @@ pub struct CudaModel {
     inv_freq: DevBuf,
     ngram: Vec<Option<NgramHash>>,
     pub(crate) scratch: Mutex<Scratch>,
+}
+
+/// The scratch vectors of one forward for `c` with `moe_layers` MoE layers, each device vector
+/// from `z` (bytes, what it holds; zeroed): the model's own ([`new_scratch`]), and a verifying
+/// pass's rows, whose vectors lie at one distance from each other's ([`rows::RowScratch`]).
+fn scratch_with(
+    gpu: &Gpu,
+    c: &TextConfig,
+    moe_layers: usize,
+    z: &mut dyn FnMut(usize, &str) -> Result<DevBuf>,
+) -> Result<Scratch> {
+    let widest = [
+        c.hc_hidden(),
+        c.gdn_conv_dim(),
+        c.num_attention_heads * c.head_dim * 2,
+        c.qsa.as_ref().map_or(0, |q| (q.n_heads + q.kv_heads) * q.head_dim),
+        c.ple_embed_dim,
+        c.shared_expert_intermediate_size,
+        c.num_experts,
+        c.gdn_value_dim(),
+    ]
+    .into_iter()
+    .max()
+    .unwrap();
+    let e = c.num_experts;
+    Ok(Scratch {
+        x: z(f32s(c.hc_hidden()), "activations")?,
+        normed: z(f32s(c.hc_hidden()), "activations")?,
+        hc_inv: z(f32s(c.hc_count), "activations")?,
+        low: z(f32s(c.hc_lowrank), "activations")?,
+        mix: z(f32s(c.hc_hidden()), "activations")?,
+        inp: z(f32s(c.hidden_size), "activations")?,
+        inj: z(f32s(c.hc_count), "activations")?,
+        out: z(f32s(c.hidden_size), "activations")?,
+        big: [
+            z(f32s(widest), "activations")?,
+            z(f32s(widest), "activations")?,
+            z(f32s(widest), "activations")?,
+            z(f32s(widest), "activations")?,
+            z(f32s(widest), "activations")?,
+            z(f32s(widest), "activations")?,
+            z(f32s(widest), "activations")?,
+        ],
+        weights: z(e.max(1024) * 4, "the routing weights")?,
+        ids: z(e.max(1024) * 4, "the routing ids")?,
+        cand: z(CAND_KEYS * 8, "the sampling candidates' keys")?,
+        act: z(f32s(e * c.moe_intermediate_size), "expert activations")?,
+        // One row more than entries: the deadline cut points dropped experts at a zero row.
+        eout: z(f32s((e + 1) * c.hidden_size), "expert outputs")?,
+        scores: z(f32s(4096), "attention scores")?,
+        attn_part: z(f32s(c.num_attention_heads * ATTEND_SPLITS * (c.head_dim + 2)), "attention partials")?,
+        attn_count: z(4 * c.num_attention_heads.max(1), "attention counters")?,
+        idx: z(4 * 4096, "attention token lists")?,
+        logits: z(f32s(c.vocab_size), "logits")?,
+        moe: MoeBufs::new(gpu, c, moe_layers, false)?,
+        step_in: z(step_in_bytes(c), "the step inputs")?,
+        step_host: gpu.pinned(step_in_bytes(c), "the step inputs")?,
+    })
+}
+
+/// The model's scratch: [`scratch_with`] each vector an allocation of its own.
+fn new_scratch(gpu: &Gpu, c: &TextConfig, moe_layers: usize) -> Result<Scratch> {
+    scratch_with(gpu, c, moe_layers, &mut |n, w| gpu.zeros(n, w))
 }
 
 fn f32s(n: usize) -> usize {
@@ -914,54 +1007,7 @@ impl CudaModel {
         let inv_freq = gpu.alloc(f32s(inv.len()), "RoPE tables")?;
         gpu.htod(inv_freq.ptr, &inv)?;
         let ngram = (0..c.num_hidden_layers).map(|i| c.ple_index(i).map(|k| NgramHash::new(&c, k))).collect();
-        let widest = [
-            c.hc_hidden(),
-            c.gdn_conv_dim(),
-            c.num_attention_heads * c.head_dim * 2,
-            c.qsa.as_ref().map_or(0, |q| (q.n_heads + q.kv_heads) * q.head_dim),
-            c.ple_embed_dim,
-            c.shared_expert_intermediate_size,
-            c.num_experts,
-            c.gdn_value_dim(),
-        ]
-        .into_iter()
-        .max()
-        .unwrap();
-        let e = c.num_experts;
-        let z = |n: usize, w: &str| gpu.zeros(n, w);
-        let scratch = Scratch {
-            x: z(f32s(c.hc_hidden()), "activations")?,
-            normed: z(f32s(c.hc_hidden()), "activations")?,
-            hc_inv: z(f32s(c.hc_count), "activations")?,
-            low: z(f32s(c.hc_lowrank), "activations")?,
-            mix: z(f32s(c.hc_hidden()), "activations")?,
-            inp: z(f32s(c.hidden_size), "activations")?,
-            inj: z(f32s(c.hc_count), "activations")?,
-            out: z(f32s(c.hidden_size), "activations")?,
-            big: [
-                z(f32s(widest), "activations")?,
-                z(f32s(widest), "activations")?,
-                z(f32s(widest), "activations")?,
-                z(f32s(widest), "activations")?,
-                z(f32s(widest), "activations")?,
-                z(f32s(widest), "activations")?,
-                z(f32s(widest), "activations")?,
-            ],
-            weights: z(e.max(1024) * 4, "the routing weights")?,
-            ids: z(e.max(1024) * 4, "the routing ids")?,
-            cand: z(CAND_KEYS * 8, "the sampling candidates' keys")?,
-            act: z(f32s(e * c.moe_intermediate_size), "expert activations")?,
-            // One row more than entries: the deadline cut points dropped experts at a zero row.
-            eout: z(f32s((e + 1) * c.hidden_size), "expert outputs")?,
-            scores: z(f32s(4096), "attention scores")?,
-            attn_part: z(f32s(c.num_attention_heads * ATTEND_SPLITS * (c.head_dim + 2)), "attention partials")?,
-            attn_count: z(4 * c.num_attention_heads.max(1), "attention counters")?,
-            idx: z(4 * 4096, "attention token lists")?,
-            logits: z(f32s(c.vocab_size), "logits")?,
-            moe: MoeBufs::new(&gpu, &c, store.manifest.experts.layers.len(), false)?,
-            step_in: z(step_in_bytes(&c), "the step inputs")?,
-            step_host: gpu.pinned(step_in_bytes(&c), "the step inputs")?,
-        };
+        let scratch = new_scratch(&gpu, &c, store.manifest.experts.layers.len())?;
         gpu.sync()?;
         let predicted = Mutex::new(vec![None; store.manifest.experts.layers.len()]);
         Ok(CudaModel {
@@ -1019,6 +1065,15 @@ impl CudaModel {
             anatomy: false,
             graph: Mutex::new(Vec::new()),
             mtp_graphs: Mutex::new(Vec::new()),
+            verify_rows: std::sync::atomic::AtomicBool::new(
+                std::env::var("CHERENKOV_VERIFY_ROWS").map_or(true, |v| v != "0"),
+            ),
+            rows_run: std::sync::atomic::AtomicU64::new(0),
+            rows_fused: std::env::var_os("CHERENKOV_ROWS_APART").is_none(),
+            rows_in_proj_x2: std::env::var_os("CHERENKOV_ROWS_IN_PROJ_APART").is_none(),
+            rows_in_proj_layers: std::sync::atomic::AtomicU64::new(0),
+            row_scratch: Mutex::new(None),
+            rows_graphs: Mutex::new(Vec::new()),
             predicted,
             timing: Mutex::new(StepTiming::default()),
             weights,
@@ -1518,16 +1573,27 @@ impl CudaModel {
             self.ple(sc, p, state)?;
         }
         self.hc_read(sc, &layer.attn_hc)?;
-        // The mixer's output projection injects its rows into the residual as it writes them.
+        self.queue_mixer(sc, layer, ls, pos)?;
+        self.hc_read(sc, &layer.mlp_hc)?;
+        self.moe_head(sc, &layer.moe, next, anatomy_event, after)
+    }
+
+    /// A decoder layer's mixer (GDN or attention) at position `pos`, its input read into `inp`;
+    /// its output projection injects its rows into the residual as it writes them.
+    fn queue_mixer(
+        &self,
+        sc: &mut Scratch,
+        layer: &crate::weights::Layer,
+        ls: &mut crate::session::LayerState,
+        pos: usize,
+    ) -> Result<()> {
         let out =
             MatvecOutput::Inject { x: sc.x.ptr, inj: sc.inj.ptr, hc: self.config().hc_count, scratch: sc.out.ptr };
         match (&layer.mixer, &mut ls.mixer) {
-            (Mixer::Gdn(gw), MixerState::Gdn { conv, recurrent }) => self.gdn(sc, gw, conv, recurrent, out)?,
-            (Mixer::Attention(aw), MixerState::Attention(a)) => self.attention(sc, aw, a, pos, out)?,
+            (Mixer::Gdn(gw), MixerState::Gdn { conv, recurrent }) => self.gdn(sc, gw, conv, recurrent, out),
+            (Mixer::Attention(aw), MixerState::Attention(a)) => self.attention(sc, aw, a, pos, out),
             _ => unreachable!("session built for this model"),
         }
-        self.hc_read(sc, &layer.mlp_hc)?;
-        self.moe_head(sc, &layer.moe, next, anatomy_event, after)
     }
 
     /// Runs the step as a replay of a captured graph, capturing it first when there is none for
@@ -1956,13 +2022,25 @@ impl CudaModel {
         recurrent: &DevBuf,
         out: MatvecOutput,
     ) -> Result<()> {
+        self.gdn_in_proj(sc, gw, conv.ptr)?;
+        let r = self.gdn_recurrence(gw);
+        let [_, z, b, a, conv_out, core, digits] = &sc.big;
+        let c = self.config();
+        let mut args = self.gdn_recurrent_args(gw, conv_out.ptr, a.ptr, b.ptr, recurrent.ptr, core.ptr, z.ptr);
+        args.push(Arg::Ptr(if r.image { digits.ptr } else { 0 }));
+        self.gpu.launch(r.kernel, (c.linear_num_value_heads as u32, 1, 1), r.threads, r.shared, &args)?;
+        gw.out_proj.matvec_to(&self.gpu, self.gdn_out_input(sc, &r), out)
+    }
+
+    /// The GDN layer's input projections (qkv, z, b, a) of `inp`, the conv riding on their launch
+    /// where it can (otherwise a launch of its own, in place on the projection's output; one
+    /// thread per channel reads its input before writing).
+    pub(crate) fn gdn_in_proj(&self, sc: &Scratch, gw: &crate::weights::GatedDeltaNet, conv: u64) -> Result<()> {
         let c = self.config();
         let g = &*self.gpu;
-        let [_, z, b, a, conv_out, core, digits] = &sc.big;
-        // The conv rides on the input projection's launch where it can; otherwise it runs in place
-        // on the projection's output (one thread per channel reads its input before writing).
+        let [_, z, b, a, conv_out, ..] = &sc.big;
         let cd = c.gdn_conv_dim();
-        let folded = FoldedConv { state: conv.ptr, w: gw.conv1d.ptr, k: c.linear_conv_kernel_dim, channels: cd };
+        let folded = FoldedConv { state: conv, w: gw.conv1d.ptr, k: c.linear_conv_kernel_dim, channels: cd };
         let parts =
             [(&gw.in_proj_qkv, conv_out.ptr), (&gw.in_proj_z, z.ptr), (&gw.in_proj_b, b.ptr), (&gw.in_proj_a, a.ptr)];
         if !matvec_many_conv(g, sc.inp.ptr, &parts, Some(folded))? {
@@ -1973,7 +2051,7 @@ impl CudaModel {
                 0,
                 &[
                     Arg::Ptr(conv_out.ptr),
-                    Arg::Ptr(conv.ptr),
+                    Arg::Ptr(conv),
                     Arg::Ptr(gw.conv1d.ptr),
                     Arg::Ptr(conv_out.ptr),
                     Arg::I32(cd as i32),
@@ -1981,11 +2059,18 @@ impl CudaModel {
                 ],
             )?;
         }
-        let (nk, nv, dk, dv) =
-            (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
-        // Columns split over 4 threads holding their rows in registers where the head fits (the
-        // kernel's GDN_SPLIT and GDN_MAX_ROWS), else one thread per column. Both normalise q and k
-        // while staging them (block reductions: whole warps).
+        Ok(())
+    }
+
+    /// How the GDN recurrence runs for these weights: columns split over 4 threads holding their
+    /// rows in registers where the head fits (the kernel's GDN_SPLIT and GDN_MAX_ROWS), else one
+    /// thread per column. Both normalise q and k while staging them (block reductions: whole
+    /// warps). The split kernel's head is whole warps (and whole 32-input chunks) where dv is a
+    /// multiple of 32: then it writes the out_proj's staged image too (its 3.75 bytes an input fit
+    /// the scratch vector's 4), for 4-bit out_proj weights (the only ones staged that way).
+    pub(crate) fn gdn_recurrence(&self, gw: &crate::weights::GatedDeltaNet) -> GdnRecurrence {
+        let c = self.config();
+        let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
         const SPLIT: usize = 4;
         let split = dk % SPLIT == 0 && dk / SPLIT <= 32 && dv * SPLIT <= 1024 && (dv * SPLIT).is_multiple_of(32);
         let (kernel, threads, shared) = if split {
@@ -1993,37 +2078,51 @@ impl CudaModel {
         } else {
             ("gdn_recurrent", dv.min(1024).next_multiple_of(32), 2 * dk)
         };
-        // The split kernel's head is whole warps (and whole 32-input chunks) where dv is a multiple
-        // of 32: then it writes the out_proj's staged image too (its 3.75 bytes an input fit the
-        // scratch vector's 4), for 4-bit out_proj weights (the only ones staged that way).
         let image = self.gdn_digits && split && dv.is_multiple_of(32) && gw.out_proj.stages_digits();
-        let input = if image { MatvecInput::Digits(core.ptr, digits.ptr) } else { MatvecInput::Plain(core.ptr) };
-        g.launch(
-            kernel,
-            (nv as u32, 1, 1),
-            threads as u32,
-            (shared * 4) as u32,
-            &[
-                Arg::Ptr(conv_out.ptr),
-                Arg::Ptr(a.ptr),
-                Arg::Ptr(b.ptr),
-                Arg::Ptr(gw.a_log.ptr),
-                Arg::Ptr(gw.dt_bias.ptr),
-                Arg::Ptr(recurrent.ptr),
-                Arg::Ptr(core.ptr),
-                Arg::I32(nk as i32),
-                Arg::I32(nv as i32),
-                Arg::I32(dk as i32),
-                Arg::I32(dv as i32),
-                // The gated output norm, fused.
-                Arg::Ptr(z.ptr),
-                Arg::Ptr(gw.norm.ptr),
-                Arg::F32(c.rms_norm_eps as f32),
-                Arg::I32(if c.gate_act == GateAct::Sigmoid { 0 } else { 1 }),
-                Arg::Ptr(if image { digits.ptr } else { 0 }),
-            ],
-        )?;
-        gw.out_proj.matvec_to(g, input, out)
+        GdnRecurrence { kernel, threads: threads as u32, shared: (shared * 4) as u32, split, image }
+    }
+
+    /// The recurrence kernels' leading arguments, from the conv's output through the gated
+    /// output norm's (the one-row kernel then takes the digits; the rows kernel the record
+    /// first).
+    pub(crate) fn gdn_recurrent_args(
+        &self,
+        gw: &crate::weights::GatedDeltaNet,
+        conv_out: u64,
+        a: u64,
+        b: u64,
+        state: u64,
+        core: u64,
+        z: u64,
+    ) -> Vec<Arg> {
+        let c = self.config();
+        let (nk, nv, dk, dv) =
+            (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
+        vec![
+            Arg::Ptr(conv_out),
+            Arg::Ptr(a),
+            Arg::Ptr(b),
+            Arg::Ptr(gw.a_log.ptr),
+            Arg::Ptr(gw.dt_bias.ptr),
+            Arg::Ptr(state),
+            Arg::Ptr(core),
+            Arg::I32(nk as i32),
+            Arg::I32(nv as i32),
+            Arg::I32(dk as i32),
+            Arg::I32(dv as i32),
+            // The gated output norm, fused.
+            Arg::Ptr(z),
+            Arg::Ptr(gw.norm.ptr),
+            Arg::F32(c.rms_norm_eps as f32),
+            Arg::I32(if c.gate_act == GateAct::Sigmoid { 0 } else { 1 }),
+        ]
+    }
+
+    /// The out_proj's input: the recurrence's output, with its staged image where the recurrence
+    /// wrote one.
+    pub(crate) fn gdn_out_input(&self, sc: &Scratch, r: &GdnRecurrence) -> MatvecInput {
+        let [.., core, digits] = &sc.big;
+        if r.image { MatvecInput::Digits(core.ptr, digits.ptr) } else { MatvecInput::Plain(core.ptr) }
     }
 
     /// Grouped zero-centred RMSNorm of `groups` groups of `group` elements.
@@ -2045,6 +2144,16 @@ impl CudaModel {
     }
 
     /// Hyper-connection read of x into `inp` (and the raw injection logits into `inj`).
+    /// Whether [`CudaModel::hc_read`] runs as its two fused launches (the norm folded into the
+    /// down projection, then `hc_up_mix`), which serve a verifying pass's rows.
+    pub(crate) fn hc_read_fused(&self, hcw: &HyperConnection) -> bool {
+        let c = self.config();
+        let mut down = vec![&hcw.input_mix_weight_down];
+        down.extend(hcw.block_inject_weight.as_ref());
+        crate::weights::hc_up_mix_applies(&hcw.input_mix_weight_up, c.hc_count, c.hidden_size)
+            && crate::weights::matvec_many_norm_fits(&self.gpu, &down, c.hidden_size)
+    }
+
     pub(crate) fn hc_read(&self, sc: &Scratch, hcw: &HyperConnection) -> Result<()> {
         let c = self.config();
         let (h, hc) = (c.hidden_size, c.hc_count);
@@ -3212,9 +3321,15 @@ impl CudaModel {
     /// Writes the synthetic routers' bias for MoE layer `l` (`which`: 0 routing, 1 predicting) into
     /// pinned memory; nothing without synthetic routing.
     fn write_bias(&self, sc: &Scratch, l: usize, which: usize) -> Result<()> {
+        self.write_bias_at(sc, l, which, 0)
+    }
+
+    /// [`CudaModel::write_bias`] with the routing bias of the token `ahead` tokens after the one
+    /// the synthetic routers route next (a verifying pass's second row: 1).
+    fn write_bias_at(&self, sc: &Scratch, l: usize, which: usize, ahead: u64) -> Result<()> {
         let Some(sk) = &self.skew else { return Ok(()) };
         let e = self.config().num_experts;
-        let b = if which == 0 { sk.bias(l, e) } else { sk.predict_bias(l, e) };
+        let b = if which == 0 { sk.bias_at(l, e, ahead) } else { sk.predict_bias(l, e) };
         let at = (l * 2 + which) * e;
         // SAFETY: each (layer, which) row is written once per step, and the previous step's upload
         // of it finished before this step began (steps end with a stream sync).

@@ -29,6 +29,33 @@ pub enum MixerState {
     Attention(AttentionState),
 }
 
+/// The spans ([`CudaSession::state_bufs`] order) of decoder layer `layer`'s states `which` names,
+/// for layers of these kinds (a GDN mixer, a PLE layer): a GDN layer's conv then its recurrent
+/// state, then a PLE layer's history.
+fn layer_spans(kinds: &[(bool, bool)], layer: usize, which: LayerStates) -> std::ops::Range<usize> {
+    let gdn = |&(g, _): &(bool, bool)| 2 * usize::from(g);
+    let spans = |k: &(bool, bool)| gdn(k) + usize::from(k.1);
+    let first = kinds[..layer].iter().map(spans).sum::<usize>();
+    let k = &kinds[layer];
+    match which {
+        LayerStates::Mixer => first..first + gdn(k),
+        LayerStates::Conv => first..first + gdn(k).min(1),
+        LayerStates::Ple => first + gdn(k)..first + spans(k),
+    }
+}
+
+/// Which of a decoder layer's recorded states [`CudaSession::copy_layer_states`] copies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerStates {
+    /// A GDN layer's conv and recurrent states.
+    Mixer,
+    /// A GDN layer's conv state alone (a launch over several rows records the recurrent state
+    /// itself: [`CudaSession::recurrent_record_at`]).
+    Conv,
+    /// A PLE layer's history.
+    Ple,
+}
+
 pub struct LayerState {
     pub mixer: MixerState,
     pub ple_conv: Option<DevBuf>,
@@ -192,11 +219,49 @@ impl CudaSession {
     /// queued on the compute stream as one launch (`copy_spans`); the span tables are uploaded
     /// once per record address.
     pub fn copy_states(&mut self, at: u64, save: bool) -> Result<()> {
+        let n = self.state_bufs().len();
+        self.copy_state_spans(at, save, 0..n)
+    }
+
+    /// [`CudaSession::copy_states`] for decoder layer `layer`'s buffers alone, those `which` names
+    /// (a GDN layer's conv and recurrent states, or a PLE layer's history; none where the layer has
+    /// no such state), into or out of the same places of the record at `at`.
+    pub fn copy_layer_states(&mut self, at: u64, layer: usize, which: LayerStates, save: bool) -> Result<()> {
+        let kinds: Vec<(bool, bool)> =
+            self.layers.iter().map(|l| (matches!(l.mixer, MixerState::Gdn { .. }), l.ple_conv.is_some())).collect();
+        self.copy_state_spans(at, save, layer_spans(&kinds, layer, which))
+    }
+
+    /// Where decoder layer `layer`'s GDN recurrent state lies in the record at `at` (None for an
+    /// attention layer).
+    pub fn recurrent_record_at(&self, at: u64, layer: usize) -> Option<u64> {
+        let MixerState::Gdn { recurrent, .. } = &self.layers.get(layer)?.mixer else { return None };
+        self.record_at(at, recurrent.ptr)
+    }
+
+    /// Where decoder layer `layer`'s GDN conv state lies in the record at `at` (None for an
+    /// attention layer).
+    pub fn conv_record_at(&self, at: u64, layer: usize) -> Option<u64> {
+        let MixerState::Gdn { conv, .. } = &self.layers.get(layer)?.mixer else { return None };
+        self.record_at(at, conv.ptr)
+    }
+
+    /// Where the state buffer at `ptr` lies in the record at `at`.
+    fn record_at(&self, at: u64, ptr: u64) -> Option<u64> {
         let (layout, _) = self.state_layout();
-        if layout.is_empty() {
-            return Ok(());
-        }
-        let i = match self.state_spans.iter().position(|t| t.at == at) {
+        layout.iter().find(|(p, ..)| *p == ptr).map(|&(_, _, off)| at + off)
+    }
+
+    /// Uploads the span tables for a record at `at` unless they are there (a graph that copies
+    /// states is captured after this: an upload cannot be captured).
+    pub fn prepare_state_spans(&mut self, at: u64) -> Result<()> {
+        self.state_spans_at(at).map(|_| ())
+    }
+
+    /// The index of the span tables for a record at `at`, uploaded first where there are none.
+    fn state_spans_at(&mut self, at: u64) -> Result<usize> {
+        let (layout, _) = self.state_layout();
+        Ok(match self.state_spans.iter().position(|t| t.at == at) {
             Some(i) => i,
             None => {
                 let table = |save: bool| -> Result<DevBuf> {
@@ -207,8 +272,10 @@ impl CudaSession {
                             [dst, src, bytes as u64]
                         })
                         .collect();
-                    let b = self.gpu.alloc(rows.len() * 8, "a verifying forward's copy table")?;
-                    self.gpu.htod(b.ptr, &rows)?;
+                    let b = self.gpu.alloc(rows.len().max(1) * 8, "a verifying forward's copy table")?;
+                    if !rows.is_empty() {
+                        self.gpu.htod(b.ptr, &rows)?;
+                    }
                     Ok(b)
                 };
                 let spans = StateSpans { at, save: table(true)?, restore: table(false)? };
@@ -219,17 +286,28 @@ impl CudaSession {
                 self.state_spans.push(spans);
                 self.state_spans.len() - 1
             }
-        };
+        })
+    }
+
+    /// Queues `copy_spans` over the record's spans `which` ([`CudaSession::state_bufs`] order).
+    fn copy_state_spans(&mut self, at: u64, save: bool, which: std::ops::Range<usize>) -> Result<()> {
+        if which.is_empty() {
+            return Ok(());
+        }
+        let i = self.state_spans_at(at)?;
+        let (layout, _) = self.state_layout();
         let t = &self.state_spans[i];
-        let largest = layout.iter().map(|l| l.1).max().unwrap_or(0);
+        let largest = layout[which.clone()].iter().map(|l| l.1).max().unwrap_or(0);
         // Enough blocks that the largest span (a GDN recurrent state) takes a few passes a thread.
         let per = blocks(largest / 16, 256 * 8).max(1);
+        // A span is three u64s in the table.
+        let table = if save { t.save.ptr } else { t.restore.ptr } + (which.start * 24) as u64;
         self.gpu.launch(
             "copy_spans",
-            (per, layout.len() as u32, 1),
+            (per, which.len() as u32, 1),
             256,
             0,
-            &[Arg::Ptr(if save { t.save.ptr } else { t.restore.ptr }), Arg::I32(layout.len() as i32)],
+            &[Arg::Ptr(table), Arg::I32(which.len() as i32)],
         )
     }
 
@@ -363,4 +441,26 @@ fn grow(gpu: &Gpu, c: &TextConfig, a: &mut AttentionState, tokens: usize) -> Res
     n.blocks = a.blocks;
     *a = n;
     Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Layers GDN+PLE, attention, GDN, attention+PLE: spans conv 0, recurrent 1, PLE 2, then
+    /// conv 3, recurrent 4, then PLE 5.
+    #[test]
+    fn a_layers_spans_are_its_own_states_in_record_order() {
+        let kinds = [(true, true), (false, false), (true, false), (false, true)];
+        assert_eq!(layer_spans(&kinds, 0, LayerStates::Mixer), 0..2);
+        assert_eq!(layer_spans(&kinds, 0, LayerStates::Conv), 0..1);
+        assert_eq!(layer_spans(&kinds, 0, LayerStates::Ple), 2..3);
+        assert!(layer_spans(&kinds, 1, LayerStates::Mixer).is_empty());
+        assert!(layer_spans(&kinds, 1, LayerStates::Ple).is_empty());
+        assert_eq!(layer_spans(&kinds, 2, LayerStates::Mixer), 3..5);
+        assert_eq!(layer_spans(&kinds, 2, LayerStates::Conv), 3..4);
+        assert!(layer_spans(&kinds, 2, LayerStates::Ple).is_empty());
+        assert!(layer_spans(&kinds, 3, LayerStates::Conv).is_empty());
+        assert_eq!(layer_spans(&kinds, 3, LayerStates::Ple), 5..6);
+    }
 }

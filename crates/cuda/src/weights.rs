@@ -281,7 +281,7 @@ impl DevLinear {
                         let min_blocks = many_kernel(&[bits]).1;
                         let split = split_plan(gpu, self.rows, self.cols, bits, group_size, min_blocks);
                         if split.slices > 1 {
-                            return launch_many(gpu, input, &[(self, y)], &[split], None, None, 0, false)
+                            return launch_many(gpu, input, &[(self, y)], &[split], None, None, 0, false, None)
                                 .map(|_| false);
                         }
                     }
@@ -731,8 +731,18 @@ fn part_bits(parts: &[(&DevLinear, u64)]) -> Vec<u32> {
         .collect()
 }
 
+/// A `matvec_many` launch over a verifying pass's two input rows in each block
+/// (`matvec_many_x2`): row 1 of x and of every output `stride` bytes past row 0's, and where the
+/// conv is folded, the state after row 0 written to `conv_mid`.
+#[derive(Clone, Copy, Debug)]
+struct ManyPair {
+    stride: usize,
+    conv_mid: u64,
+}
+
 /// One launch of `matvec_many` for up to `MV_PARTS` matrices of one input (`cols` inputs), each
-/// in a tiled format of its own, with their split plans.
+/// in a tiled format of its own, with their split plans (with `pair`, over two input rows).
+#[allow(clippy::too_many_arguments)]
 fn launch_many(
     gpu: &Gpu,
     input: MatvecInput,
@@ -742,6 +752,7 @@ fn launch_many(
     conv: Option<FoldedConv>,
     defer_parts: u32,
     ahead: bool,
+    pair: Option<ManyPair>,
 ) -> Result<u32> {
     debug_assert!(!parts.is_empty() && parts.len() <= MV_PARTS && parts.len() == plans.len());
     debug_assert!(conv.is_none() || plans[0].slices == 1);
@@ -752,7 +763,7 @@ fn launch_many(
     let sms = sms(gpu);
     let spread = if norm.is_none() { many_spread() } else { None };
     let [x2, xs, op] = input.args();
-    let mut args = vec![Arg::Ptr(input.x()), x2, xs, op, Arg::I32(cols as i32), Arg::Ptr(gpu.split_scratch.ptr)];
+    let mut args = vec![Arg::Ptr(input.x()), x2, xs, op, Arg::I32(cols as i32), Arg::Ptr(gpu.split_scratch_ptr())];
     let (mut grid_x, mut shmem) = (1usize, 0usize);
     // The parts that take their weights ahead (bit p: part p) and the shared memory they need.
     let ahead_ok = ahead && norm.is_none() && kernel == "matvec_many_48" && gpu.info.compute_capability.0 >= 9;
@@ -826,6 +837,27 @@ fn launch_many(
     } else {
         (kernel, (grid_x as u32, parts.len() as u32, 1))
     };
+    // Two input rows in each block: matvec_many_48's parts and plans, the rows' staging.
+    if let Some(p) = pair {
+        if kernel != "matvec_many_48" || ahead_parts != 0 || defer_parts != 0 || plans.iter().any(|sp| sp.slices != 1) {
+            bail!("{kernel}: two input rows in each block only for whole 4-bit parts, none deferred or ahead");
+        }
+        args.extend([Arg::U64((p.stride / 4) as u64), Arg::U64((p.stride / 4) as u64), Arg::Ptr(p.conv_mid)]);
+        let shmem = shmem.max(2 * rows_staging_bytes(cols));
+        gpu.launch("matvec_many_x2", grid, threads as u32, shmem as u32, &args)?;
+        return Ok(0);
+    }
+    // A verifying pass's rows (`Gpu::with_rows`): `matvec_many`'s launch serves them all.
+    let (rows, stride) = gpu.rows();
+    let (kernel, grid) = if rows > 1 {
+        if kernel != "matvec_many" || conv.is_some() {
+            bail!("{kernel} serves one row a launch (only matvec_many without a folded conv serves a pass's rows)");
+        }
+        args.push(Arg::U64(stride));
+        ("matvec_many_rows", (grid.0, grid.1, rows))
+    } else {
+        (kernel, grid)
+    };
     gpu.launch(kernel, grid, threads as u32, shmem as u32, &args)?;
     Ok(ahead_parts)
 }
@@ -858,6 +890,38 @@ pub enum NormLaunch {
     Deferred(DeferredSlices, Option<DeferredSlices>),
 }
 
+/// The split plans of [`matvec_many_norm`]'s parts with a norm over groups of `group` inputs;
+/// None where that launch does not apply.
+fn norm_plans(gpu: &Gpu, parts: &[(&DevLinear, u64)], group: usize) -> Option<Vec<SplitPlan>> {
+    let &(first, _) = parts.first()?;
+    let cols = first.cols;
+    if parts.len() > MV_PARTS
+        || group == 0
+        || !cols.is_multiple_of(group)
+        || !(cols / group).is_power_of_two()
+        || !parts.iter().all(|(l, _)| l.cols == cols && l.tiled_shmem().is_some())
+    {
+        return None;
+    }
+    // Only `matvec_many` folds a norm (2 blocks per multiprocessor).
+    let min_blocks = 2;
+    parts
+        .iter()
+        .map(|(l, _)| {
+            let Precision::Affine { bits, group_size } = l.precision else { return None };
+            // At least one slice per group; doubling keeps the slices inside groups.
+            split_plan_from(gpu, l.rows, cols, bits, group_size, min_blocks, cols / group, 1.0)
+        })
+        .collect()
+}
+
+/// Whether [`matvec_many_norm`] applies to these matrices with a norm over groups of `group`
+/// inputs (it queues one launch rather than returning [`NormLaunch::Unfit`]).
+pub fn matvec_many_norm_fits(gpu: &Gpu, parts: &[&DevLinear], group: usize) -> bool {
+    let parts: Vec<(&DevLinear, u64)> = parts.iter().map(|&l| (l, 0)).collect();
+    norm_plans(gpu, &parts, group).is_some()
+}
+
 /// y_i = W_i n for every part, where n = x / rms(x) * (1 + w) per group of `norm.group` inputs (the
 /// hyper-connection read's norm; `rmsnorm_zc` in ops.cu), in one launch without n: the parts stage
 /// x (1 + w), each column slice lies in one group, and the slices' partial sums are scaled by their
@@ -872,27 +936,8 @@ pub fn matvec_many_norm(
     parts: &[(&DevLinear, u64)],
     norm: FoldedNorm,
 ) -> Result<NormLaunch> {
-    let Some(&(first, _)) = parts.first() else { return Ok(NormLaunch::Unfit) };
-    let cols = first.cols;
-    if parts.len() > MV_PARTS
-        || norm.group == 0
-        || !cols.is_multiple_of(norm.group)
-        || !(cols / norm.group).is_power_of_two()
-        || !parts.iter().all(|(l, _)| l.cols == cols && l.tiled_shmem().is_some())
-    {
-        return Ok(NormLaunch::Unfit);
-    }
-    // Only `matvec_many` folds a norm (2 blocks per multiprocessor).
-    let min_blocks = 2;
-    let mut plans = Vec::with_capacity(parts.len());
-    for (l, _) in parts {
-        let Precision::Affine { bits, group_size } = l.precision else { return Ok(NormLaunch::Unfit) };
-        // At least one slice per group; doubling keeps the slices inside groups.
-        match split_plan_from(gpu, l.rows, cols, bits, group_size, min_blocks, cols / norm.group, 1.0) {
-            Some(p) => plans.push(p),
-            None => return Ok(NormLaunch::Unfit),
-        }
-    }
+    let Some(plans) = norm_plans(gpu, parts, norm.group) else { return Ok(NormLaunch::Unfit) };
+    let cols = parts[0].0.cols;
     // Deferred where the first part has one slice a group of `MV_R` (hc_up_mix's streams).
     let defer = norm.defer && cols / norm.group == MV_R && plans[0].slices == MV_R;
     let defer_second = defer
@@ -903,7 +948,7 @@ pub fn matvec_many_norm(
         && plans[1].slices <= MAX_SLICES
         && plans[1].slices.is_multiple_of(MV_R);
     let mask = u32::from(defer) | (u32::from(defer_second) << 1);
-    launch_many(gpu, MatvecInput::OnePlus(x, w), parts, &plans, Some(norm), None, mask, false)?;
+    launch_many(gpu, MatvecInput::OnePlus(x, w), parts, &plans, Some(norm), None, mask, false, None)?;
     if defer {
         let (parts, ssq) = part_scratch(gpu, 0);
         let first = DeferredSlices { parts, slices: MV_R, ssq, eps: norm.eps };
@@ -977,7 +1022,7 @@ pub struct DeferredSlices {
 /// The split scratch's slices of part p (`MV_SCRATCH_HEAD` floats in, `MV_PART_FLOATS` a part)
 /// and their sums of squares (after every part's partial sums, `MAX_SLICES` a part).
 fn part_scratch(gpu: &Gpu, p: usize) -> (u64, u64) {
-    let s = gpu.split_scratch.ptr;
+    let s = gpu.split_scratch_ptr();
     (
         s + ((MV_SCRATCH_HEAD + p * MV_PART_FLOATS) * 4) as u64,
         s + ((MV_SCRATCH_HEAD + MV_PARTS * MV_PART_FLOATS + p * MAX_SLICES) * 4) as u64,
@@ -1034,13 +1079,62 @@ fn matvec_many_with(
         done.folded |= conv.is_some();
         let defer = defer_first && plans[0].slices > 1;
         done.ahead_parts |=
-            launch_many(gpu, MatvecInput::Plain(x), group, &plans, None, conv, u32::from(defer), ahead)?;
+            launch_many(gpu, MatvecInput::Plain(x), group, &plans, None, conv, u32::from(defer), ahead, None)?;
         if defer {
             done.deferred =
                 Some(DeferredSlices { parts: part_scratch(gpu, 0).0, slices: plans[0].slices, ssq: 0, eps: 0.0 });
         }
     }
     Ok(done)
+}
+
+/// [`matvec_many_conv`] over a verifying pass's two input rows in one launch whose blocks each
+/// serve both rows (`matvec_many_x2`): row 1 of x and of every part's output `stride` bytes past
+/// row 0's; the conv folded into the first part as the one-row launch folds it, row 0's first, the
+/// state after it written to `conv_mid` (the record's copy; same layout as the state). Each row's
+/// products are the one-row launch's, with its plans. Returns false, queueing nothing, where that
+/// launch does not apply: more than one launch's parts, parts not all 4-bit with whole rows in one
+/// slice, or a conv the one-row launch would not fold.
+pub fn matvec_many_conv_x2(
+    gpu: &Gpu,
+    x: u64,
+    stride: usize,
+    parts: &[(&DevLinear, u64)],
+    conv: FoldedConv,
+    conv_mid: u64,
+) -> Result<bool> {
+    let Some(&(first, _)) = parts.first() else { return Ok(false) };
+    if parts.len() < 2
+        || parts.len() > MV_PARTS
+        || !parts.iter().all(|(l, _)| {
+            l.cols == first.cols
+                && l.tiled_shmem().is_some()
+                && matches!(l.precision, Precision::Affine { bits: 4, .. })
+        })
+        || many_spread().is_some()
+        || !stride.is_multiple_of(16)
+    {
+        return Ok(false);
+    }
+    let min_blocks = many_kernel(&part_bits(parts)).1;
+    let total = parts.iter().map(|(l, _)| l.rows * l.cols * 4).sum::<usize>().max(1);
+    let mut plans = Vec::with_capacity(parts.len());
+    for (l, _) in parts {
+        let Precision::Affine { bits, group_size } = l.precision else { return Ok(false) };
+        let share = if joint_many() { (l.rows * l.cols * 4) as f64 / total as f64 } else { 1.0 };
+        let plan = split_plan_from(gpu, l.rows, l.cols, bits, group_size, min_blocks, 1, share)
+            .expect("one slice is always a plan");
+        if plan.slices != 1 {
+            return Ok(false);
+        }
+        plans.push(plan);
+    }
+    if !(conv.k > 0 && first.rows == conv.channels && fold_conv()) {
+        return Ok(false);
+    }
+    let pair = ManyPair { stride, conv_mid };
+    launch_many(gpu, MatvecInput::Plain(x), parts, &plans, None, Some(conv), 0, false, Some(pair))?;
+    Ok(true)
 }
 
 /// What [`matvec_many_with`] queued: whether the conv was folded into the first part, where the
@@ -1115,38 +1209,42 @@ pub fn hc_up_mix(
         Some((ij, out)) => (ij, out),
         None => (DeferredSlices { parts: 0, slices: 0, ssq: 0, eps: 0.0 }, 0),
     };
-    gpu.launch(
-        "hc_up_mix",
-        (plan.blocks as u32 + u32::from(ij_out != 0), 1, 1),
-        plan.threads as u32,
-        shmem as u32,
-        &[
-            Arg::Ptr(up.data),
-            Arg::Ptr(up.scales),
-            Arg::Ptr(up.biases),
-            Arg::Ptr(input.x()),
-            x2,
-            xs,
-            op,
-            Arg::Ptr(stored),
-            Arg::Ptr(out),
-            Arg::I32(h as i32),
-            Arg::I32(up.cols as i32),
-            Arg::I32(group_size as i32),
-            Arg::I32(bits as i32),
-            Arg::I32(plan.lanes as i32),
-            Arg::Ptr(xr),
-            Arg::Ptr(w),
-            Arg::Ptr(if sum.is_some() { 0 } else { inv }),
-            Arg::Ptr(d.parts),
-            Arg::Ptr(d.ssq),
-            Arg::F32(d.eps),
-            Arg::Ptr(ij.parts),
-            Arg::Ptr(ij.ssq),
-            Arg::I32(ij.slices as i32),
-            Arg::Ptr(ij_out),
-        ],
-    )?;
+    // A verifying pass's rows (`Gpu::with_rows`): one launch serves them all.
+    let (rows, stride) = gpu.rows();
+    let grid = (plan.blocks as u32 + u32::from(ij_out != 0), 1, rows);
+    let mut args = vec![
+        Arg::Ptr(up.data),
+        Arg::Ptr(up.scales),
+        Arg::Ptr(up.biases),
+        Arg::Ptr(input.x()),
+        x2,
+        xs,
+        op,
+        Arg::Ptr(stored),
+        Arg::Ptr(out),
+        Arg::I32(h as i32),
+        Arg::I32(up.cols as i32),
+        Arg::I32(group_size as i32),
+        Arg::I32(bits as i32),
+        Arg::I32(plan.lanes as i32),
+        Arg::Ptr(xr),
+        Arg::Ptr(w),
+        Arg::Ptr(if sum.is_some() { 0 } else { inv }),
+        Arg::Ptr(d.parts),
+        Arg::Ptr(d.ssq),
+        Arg::F32(d.eps),
+        Arg::Ptr(ij.parts),
+        Arg::Ptr(ij.ssq),
+        Arg::I32(ij.slices as i32),
+        Arg::Ptr(ij_out),
+    ];
+    let kernel = if rows > 1 {
+        args.push(Arg::U64(stride));
+        "hc_up_mix_rows"
+    } else {
+        "hc_up_mix"
+    };
+    gpu.launch(kernel, grid, plan.threads as u32, shmem as u32, &args)?;
     Ok(true)
 }
 

@@ -171,7 +171,7 @@ fn matvec_probe() {
                 Arg::F32(0.0),
                 Arg::I32(0),
                 Arg::I32(2560),
-                Arg::Ptr(gpu.split_scratch.ptr),
+                Arg::Ptr(gpu.split_scratch_ptr()),
             ];
             for (k, m) in parts.iter().enumerate() {
                 let (lanes, nb) = if k < 2 { p[k] } else { (64, 3) };
@@ -217,7 +217,7 @@ fn matvec_probe() {
                         Arg::F32(0.0),
                         Arg::I32(0),
                         Arg::I32(6144),
-                        Arg::Ptr(gpu.split_scratch.ptr),
+                        Arg::Ptr(gpu.split_scratch_ptr()),
                     ];
                     args.extend([
                         Arg::Ptr(w),

@@ -322,3 +322,11 @@ __device__ __forceinline__ float affine_row_dot_sx(const u32* __restrict__ words
     }
     return warp_sum(acc);
 }
+
+// A verifying pass's launches over several rows (`*_rows` kernels; rows.rs): blockIdx.z is the
+// row, and row r's vectors lie r * rs bytes past row 0's. The pointer for this block's row (null
+// stays null).
+template <class T>
+__device__ __forceinline__ T* row_ptr(T* p, long long rs) {
+    return p ? (T*)((char*)p + (long long)blockIdx.z * rs) : p;
+}

@@ -204,9 +204,9 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_split(const floa
 #endif
 }
 
-// gdn_recurrent_split over `nrows` tokens in one launch (a verifying forward's rows, not used by
-// the forward yet). Row t's inputs are at qkv + t * qkv_stride, a and b + t * nv, z + t * nv * dv;
-// its outputs at out + t * nv * dv and, with `digits`, digits + t * digits_stride words. The state
+// gdn_recurrent_split over `nrows` tokens in one launch (a verifying pass's rows: rows.rs). Row t's
+// inputs are at qkv + t * qkv_stride, a and b + t * ab_stride, z + t * z_stride; its outputs at
+// out + t * z_stride and, with `digits`, digits + t * digits_stride words. The state
 // stays in registers from row to row: after each row but the last it is written to
 // S_mid + t * nv * dk * dv (what a commit of t + 1 rows restores), after the last to S. Each row's
 // arithmetic is gdn_recurrent_split's, in the same order, so each row equals one launch of it.
@@ -214,7 +214,7 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_rows(const float
                                                const float* A_log, const float* dt_bias, float* S, float* S_mid,
                                                float* out, int nk, int nv, int dk, int dv, const float* z,
                                                const float* norm_w, float eps, int act, u32* digits, int nrows,
-                                               int qkv_stride, int digits_stride) {
+                                               int qkv_stride, int ab_stride, int z_stride, int digits_stride) {
     KSPAN;
     extern __shared__ float sh[];
     __shared__ float nscratch[32];
@@ -237,8 +237,8 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_rows(const float
     for (int row = 0; row < nrows; row++) {
         const float* x = qkv + (size_t)row * qkv_stride;
         const float* vrow = x + (size_t)2 * nk * dk + (size_t)hv * dv;
-        const float vj = vrow[j], bh = b[(size_t)row * nv + hv], ah = a[(size_t)row * nv + hv];
-        const float zj = z[(size_t)row * nv * dv + (size_t)hv * dv + j];
+        const float vj = vrow[j], bh = b[(size_t)row * ab_stride + hv], ah = a[(size_t)row * ab_stride + hv];
+        const float zj = z[(size_t)row * z_stride + (size_t)hv * dv + j];
         // The previous row's reads of q, k and the partial sums are done.
         __syncthreads();
         gdn_stage_qk(x, sh, hv, nk, nv, dk, dv);
@@ -283,7 +283,7 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_rows(const float
             const float inv = rsqrtf(ss / (float)dv + eps);
             const float gate = act == 0 ? sigmoidf_(zj) : siluf_(zj);
             const float o = wj * (y * inv) * gate;
-            out[(size_t)row * nv * dv + (size_t)hv * dv + j] = o;
+            out[(size_t)row * z_stride + (size_t)hv * dv + j] = o;
             if (digits) mvd_put_chunk(digits + (size_t)row * digits_stride, nv * dv / 32, (hv * dv + j) / 32, o);
         }
     }

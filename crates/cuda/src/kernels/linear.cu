@@ -1163,6 +1163,22 @@ __device__ __noinline__ void mv_conv_rows(const MvConv cv, float* y, int rows, i
     }
 }
 
+// mv_conv_rows over two rows of the same channels (a verifying pass's: row 1's conv follows row
+// 0's): each channel's thread runs row 0's conv, copies the state after it to `mid` (the record a
+// commit of one row restores; same layout as the state), then runs row 1's.
+__device__ __noinline__ void mv_conv_rows_x2(const MvConv cv, float* y0, float* y1, float* mid, int rows, int blk,
+                                             int nb, int L) {
+    const int TB = blockDim.x / L, ntiles = (rows + MV_R - 1) / MV_R;
+    for (int t0 = blk * TB; t0 < ntiles; t0 += nb * TB) {
+        const int end = min(rows, (t0 + TB) * MV_R);
+        for (int r = t0 * MV_R + threadIdx.x; r < end; r += blockDim.x) {
+            y0[r] = mv_conv(cv, r, rows, y0[r]);
+            for (int j = 0; j + 1 < cv.k; j++) mid[(size_t)j * rows + r] = cv.state[(size_t)j * rows + r];
+            y1[r] = mv_conv(cv, r, rows, y1[r]);
+        }
+    }
+}
+
 template <int BITS, bool NORM, bool AHEAD = false>
 __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, const MvIn in, int cols, int gs,
                                                  float* scratch,
@@ -1353,6 +1369,33 @@ extern "C" __global__ void __launch_bounds__(256, 2) matvec_many(MATVEC_MANY_ARG
     }
 }
 
+// matvec_many over a verifying pass's rows (blockIdx.z; row_ptr): every vector a row's own but the
+// weights, the norm weight (x2 of MV_IN_ONE_PLUS) and the conv's weights; no conv folded (its state
+// is the rows' one, updated row after row), so conv_state must be null.
+extern "C" __global__ void __launch_bounds__(256, 2) matvec_many_rows(MATVEC_MANY_ARGS, long long rs) {
+    KSPAN;
+    x = row_ptr(x, rs);
+    if (op != MV_IN_ONE_PLUS) x2 = row_ptr(x2, rs);
+    scratch = row_ptr(scratch, rs);
+    y0 = row_ptr(y0, rs);
+    y1 = row_ptr(y1, rs);
+    y2 = row_ptr(y2, rs);
+    y3 = row_ptr(y3, rs);
+    norm_inv = row_ptr(norm_inv, rs);
+    const int p = blockIdx.y, bx = blockIdx.x;
+    switch (MV_SEL(b)) {
+        case 2:
+            MATVEC_MANY_PART(2, true, false);
+            break;
+        case 4:
+            MATVEC_MANY_PART(4, true, false);
+            break;
+        default:
+            MATVEC_MANY_PART(8, true, false);
+            break;
+    }
+}
+
 // matvec_many for parts of 4 and 8 bits only and no folded norm (its norm arguments are ignored):
 // without the 2-bit instantiation and the norm the kernel fits the register budget of 3 blocks of
 // 256 threads per multiprocessor (DevLinear's planning knows it).
@@ -1363,6 +1406,49 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_many_48(MATVEC_MANY_
         MATVEC_MANY_PART(4, false, false);
     } else {
         MATVEC_MANY_PART(8, false, false);
+    }
+}
+
+// matvec_many_48 over a verifying pass's two input rows in each block (mv_core's NX = 2): row 1 of x
+// at x + xstride floats, of part p's output at y_p + ystride floats. Every part 4-bit and whole
+// (one column slice: k_p 1), no norm, no deferred or ahead parts (the host checks); each row's sums
+// are matvec_many_48's on that row with the same plan, bit for bit. With the conv folded into part 0
+// (its state the rows' one), row 0's conv runs first and the state after it is written to
+// `conv_mid` (mv_conv_rows_x2). Two blocks a multiprocessor: at three (matvec_many_48's) the two
+// rows' sums spill.
+extern "C" __global__ void __launch_bounds__(256, 2)
+    matvec_many_x2(MATVEC_MANY_ARGS, long long xstride, long long ystride, float* conv_mid) {
+    KSPAN;
+    const int p = blockIdx.y, bx = blockIdx.x;
+    const int nb = MV_SEL(n);
+    // A block beyond the part's own leaves at once (see matvec_many_part).
+    if (bx >= nb) return;
+    typedef MvFmt<4> F;
+    const int rows = MV_SEL(r), L = MV_SEL(l), gs = MV_SEL(g);
+    const int C = cols / F::CPC, gpr = cols / gs, gshift = __ffs(gs) - 1;
+    const MvMat a{(const uint4*)MV_SEL(W), MV_SEL(S), MV_SEL(Bi)};
+    float* y = MV_SEL(y);
+    const auto put = [&](int tile, const float* v, int r) {
+#pragma unroll
+        for (int i = 0; i < MV_R; i++) {
+            if (tile * MV_R + i < rows) y[r * ystride + tile * MV_R + i] = v[i];
+        }
+    };
+#if MV_DP4A
+    mv_core<4, MV_PLAIN, true, true, 2>(a, a, x, MvIn{x2, xs, op}, rows, C, C, gpr, gshift, L, bx, nb, put, nullptr,
+                                        MvNoPre{}, false, MvLdX{}, xstride);
+#else
+    // Without dp4a (the MV_NO_DP4A measurement variant) the float core takes the rows one pass each.
+    grid_enter();
+    for (int r = 0; r < 2; r++) {
+        mv_core<4, MV_PLAIN>(a, a, x + r * xstride, MvIn{x2, xs, op}, rows, C, C, gpr, gshift, L, bx, nb,
+                             [&](int tile, const float* v) { put(tile, v, r); });
+        __syncthreads();
+    }
+#endif
+    if (p == 0 && conv_k > 0) {
+        __syncthreads();
+        mv_conv_rows_x2(MvConv{conv_state, conv_w, conv_k}, y, y + ystride, conv_mid, rows, bx, nb, L);
     }
 }
 
@@ -1508,14 +1594,15 @@ __device__ __forceinline__ void hc_up_mix_impl(const u32* W, const u16* S, const
                               nullptr, pre, false, MvLdSlices{parts ? ssq : nullptr, eps, H, cols, hc_inv});
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2)
-    hc_up_mix(const u32* W, const u16* S, const u16* B, const float* x, const float* x2, float xs, int op,
-              const float* normed, float* out, int H, int cols, int gs, int bits, int L, const float* xr,
-              const float* w, const float* inv, const float* parts, const float* ssq, float eps,
-              const float* ij_parts, const float* ij_ssq, int ij_slices, float* ij_out) {
+#define HC_UP_MIX_ARGS                                                                                      \
+    const u32 *W, const u16 *S, const u16 *B, const float *x, const float *x2, float xs, int op,              \
+        const float *normed, float *out, int H, int cols, int gs, int bits, int L, const float *xr,            \
+        const float *w, const float *inv, const float *parts, const float *ssq, float eps,                   \
+        const float *ij_parts, const float *ij_ssq, int ij_slices, float *ij_out
+// (Without KSPAN: each kernel opens its own, so the timeline names the kernel, not this body.)
+__device__ __forceinline__ void hc_up_mix_body(HC_UP_MIX_ARGS) {
     // (The streams' 1 / rms where the read's sum was deferred: MvLdSlices.)
     __shared__ float hc_inv[MV_R];
-    KSPAN;
 #ifdef HC_EARLY_RELEASE
     // Measurement variant (CHERENKOV_KERNEL_DEFINES=HC_EARLY_RELEASE): the next kernel (the mixer's
     // input projection) may be scheduled as soon as this launch's blocks all run, before they wait
@@ -1546,6 +1633,21 @@ extern "C" __global__ void __launch_bounds__(256, 2)
             hc_up_mix_impl<8>(W, S, B, x, in, normed, xr, w, inv, out, H, cols, gs, L, parts, ssq, eps, hc_inv, nblk);
             break;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) hc_up_mix(HC_UP_MIX_ARGS) {
+    KSPAN;
+    hc_up_mix_body(W, S, B, x, x2, xs, op, normed, out, H, cols, gs, bits, L, xr, w, inv, parts, ssq, eps, ij_parts,
+                   ij_ssq, ij_slices, ij_out);
+}
+
+// hc_up_mix over a verifying pass's rows (blockIdx.z; row_ptr): every vector a row's own but the
+// weights, the norm weight w and x2 where it is one (MV_IN_ONE_PLUS).
+extern "C" __global__ void __launch_bounds__(256, 2) hc_up_mix_rows(HC_UP_MIX_ARGS, long long rs) {
+    KSPAN;
+    hc_up_mix_body(W, S, B, row_ptr(x, rs), op == MV_IN_ONE_PLUS ? x2 : row_ptr(x2, rs), xs, op, row_ptr(normed, rs), row_ptr(out, rs), H, cols,
+                   gs, bits, L, row_ptr(xr, rs), w, row_ptr(inv, rs), row_ptr(parts, rs), row_ptr(ssq, rs), eps,
+                   row_ptr(ij_parts, rs), row_ptr(ij_ssq, rs), ij_slices, row_ptr(ij_out, rs));
 }
 
 // Every matvec_q* kernel ends with (x2, xs, op): the input transform (MV_IN_*), then (xres, inj,

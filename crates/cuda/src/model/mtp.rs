@@ -119,13 +119,17 @@ impl CudaModel {
             ),
         };
         let (h, st) = (hidden.ptr, states.ptr);
-        let logits = self.run_steps(s, tokens, |_| want, &mut |_, s, sc, i| {
-            self.gpu.dtod(h + (i * row) as u64, sc.x.ptr, row)?;
-            if i + 1 < rows {
-                s.copy_states(st + (i * state) as u64, true)?;
-            }
-            Ok(())
-        });
+        let logits = match self.verify_as_rows(s, tokens, want, h, st) {
+            Ok(Some(l)) => Ok(l),
+            Ok(None) => self.run_steps(s, tokens, |_| want, &mut |_, s, sc, i| {
+                self.gpu.dtod(h + (i * row) as u64, sc.x.ptr, row)?;
+                if i + 1 < rows {
+                    s.copy_states(st + (i * state) as u64, true)?;
+                }
+                Ok(())
+            }),
+            Err(e) => Err(e),
+        };
         let logits = match logits {
             Ok(l) => l,
             Err(e) => {
@@ -136,6 +140,32 @@ impl CudaModel {
         self.gpu.sync()?;
         s.verify = Some(VerifyRecord { pos0, ngram_context0, tokens: tokens.to_vec(), hidden, states });
         Ok(logits)
+    }
+
+    /// A verifying forward of two rows as one pass ([`CudaModel::verify_rows`]) where it can run
+    /// as one; None where its rows run as steps.
+    fn verify_as_rows(
+        &self,
+        s: &mut CudaSession,
+        tokens: &[u32],
+        want: Want,
+        hidden: u64,
+        states: u64,
+    ) -> Result<Option<Vec<f32>>> {
+        let &[t0, t1] = tokens else { return Ok(None) };
+        let c = self.config();
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            bail!("token id {bad} is outside the vocabulary (vocab_size {})", c.vocab_size);
+        }
+        s.reserve(c, s.pos + tokens.len() + 1)?;
+        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        self.gpu.bind()?;
+        self.decide_residency(&mut sc)?;
+        if !self.runs_rows(s, &sc, tokens.len()) {
+            return Ok(None);
+        }
+        drop(sc);
+        self.verify_rows(s, [t0, t1], want, hidden, states).map(Some)
     }
 
     /// Keeps the first `keep` rows of the last [`CudaModel::verify`].
