@@ -8,11 +8,12 @@
 //! layer, a GDN mixer) runs for the first row, its state is copied into the record a commit of
 //! one row restores, then it runs for the second row.
 //!
-//! This is the scaffold for launches that serve both rows at once: the rows' scratch vectors lie
-//! in one allocation at one distance from each other (`RowScratch::stride`), the split matvecs'
-//! scratch included, so that a kernel given the first row's pointers can find the second row's.
-//! Until a stage has such a launch, it launches the plain step's kernels once a row, on the same
-//! inputs, so each row's results are those of two steps one after another, bit for bit.
+//! Launches may serve both rows at once: the rows' scratch vectors lie in one allocation at one
+//! distance from each other (`RowScratch::stride`), the split matvecs' scratch included, so that a
+//! kernel given the first row's pointers can find the second row's. The hyper-connection reads
+//! (a grid twice as deep), the GDN input projections (each block both rows), the GDN recurrence
+//! and lm_head do; every other stage launches the plain step's kernels once a row, on the same
+//! inputs. Each row's results are those of two steps one after another, bit for bit.
 //!
 //! Only where a plain step would be replayed from a graph (every expert resident, attention below
 //! the QSA budget) and nothing of the step uses the side stream (the shared expert rides in the
