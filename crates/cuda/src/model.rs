@@ -1234,23 +1234,29 @@ impl CudaModel {
         advance_context(c.ngram_size, &mut s.ngram_context, &[tok]);
         s.pos += 1;
         st.queued_ns = Some(st.start.elapsed().as_nanos() as u64);
+        self.read_output(sc, want, out)?;
+        self.finish_step(sc, st)?;
+        if timed && let Some(t) = &g.timeline {
+            t.end_step(|| g.sync())?;
+        }
+        Ok(())
+    }
+
+    /// Appends what `want` asks of the step that just ran on `sc` to `out`: its logits, or its
+    /// candidates' ids (as f32 bit patterns) then their values.
+    fn read_output(&self, sc: &Scratch, want: Want, out: &mut Vec<f32>) -> Result<()> {
         match want {
             Want::Nothing => {}
             Want::Logits => {
-                let mut logits = vec![0f32; c.vocab_size];
-                g.dtoh(sc.logits.ptr, &mut logits)?;
+                let mut logits = vec![0f32; self.config().vocab_size];
+                self.gpu.dtoh(sc.logits.ptr, &mut logits)?;
                 out.extend_from_slice(&logits);
             }
             Want::Top { k, .. } => {
-                // ids (as f32 bit patterns) then values, in `out`.
                 let top = self.read_candidates(sc, k)?;
                 out.extend(top.iter().map(|&(i, _)| f32::from_bits(i)));
                 out.extend(top.iter().map(|&(_, v)| v));
             }
-        }
-        self.finish_step(sc, st)?;
-        if timed && let Some(t) = &g.timeline {
-            t.end_step(|| g.sync())?;
         }
         Ok(())
     }

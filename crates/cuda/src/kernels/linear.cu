@@ -1353,8 +1353,8 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
                         NORM ? ((defer_parts >> p) & 1) != 0 : p == 0 && defer_parts != 0,                 \
                         ((ahead_parts >> p) & 1) != 0, p, bx)
 // (matvec_many_part waits for the previous kernel: mv_core's EARLY.)
-extern "C" __global__ void __launch_bounds__(256, 2) matvec_many(MATVEC_MANY_ARGS) {
-    KSPAN;
+// matvec_many's body (without KSPAN: each kernel opens its own).
+__device__ __forceinline__ void matvec_many_body(MATVEC_MANY_ARGS) {
     const int p = blockIdx.y, bx = blockIdx.x;
     switch (MV_SEL(b)) {
         case 2:
@@ -1367,6 +1367,15 @@ extern "C" __global__ void __launch_bounds__(256, 2) matvec_many(MATVEC_MANY_ARG
             MATVEC_MANY_PART(8, true, false);
             break;
     }
+}
+#define MATVEC_MANY_PASS                                                                                      \
+    x, x2, xs, op, cols, scratch, W0, S0, Bi0, y0, r0, l0, n0, k0, b0, g0, W1, S1, Bi1, y1, r1, l1, n1, k1, b1, g1, \
+        W2, S2, Bi2, y2, r2, l2, n2, k2, b2, g2, W3, S3, Bi3, y3, r3, l3, n3, k3, b3, g3, norm_group, norm_eps,  \
+        norm_inv, conv_state, conv_w, conv_k, defer_parts, ahead_parts
+
+extern "C" __global__ void __launch_bounds__(256, 2) matvec_many(MATVEC_MANY_ARGS) {
+    KSPAN;
+    matvec_many_body(MATVEC_MANY_PASS);
 }
 
 // matvec_many over a verifying pass's rows (blockIdx.z; row_ptr): every vector a row's own but the
@@ -1382,18 +1391,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) matvec_many_rows(MATVEC_MAN
     y2 = row_ptr(y2, rs);
     y3 = row_ptr(y3, rs);
     norm_inv = row_ptr(norm_inv, rs);
-    const int p = blockIdx.y, bx = blockIdx.x;
-    switch (MV_SEL(b)) {
-        case 2:
-            MATVEC_MANY_PART(2, true, false);
-            break;
-        case 4:
-            MATVEC_MANY_PART(4, true, false);
-            break;
-        default:
-            MATVEC_MANY_PART(8, true, false);
-            break;
-    }
+    matvec_many_body(MATVEC_MANY_PASS);
 }
 
 // matvec_many for parts of 4 and 8 bits only and no folded norm (its norm arguments are ignored):

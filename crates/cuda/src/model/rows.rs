@@ -173,19 +173,7 @@ impl CudaModel {
         }
         let mut out = Vec::new();
         for sc in &rs.rows {
-            match want {
-                Want::Nothing => {}
-                Want::Logits => {
-                    let mut logits = vec![0f32; c.vocab_size];
-                    g.dtoh(sc.logits.ptr, &mut logits)?;
-                    out.extend_from_slice(&logits);
-                }
-                Want::Top { k, .. } => {
-                    let top = self.read_candidates(sc, k)?;
-                    out.extend(top.iter().map(|&(i, _)| f32::from_bits(i)));
-                    out.extend(top.iter().map(|&(_, v)| v));
-                }
-            }
+            self.read_output(sc, want, &mut out)?;
         }
         // Each row's routing, accounted as a replayed step's.
         for sc in &rs.rows {
