@@ -164,8 +164,11 @@ impl CudaModel {
         if !self.runs_rows(s, &sc, tokens.len()) {
             return Ok(None);
         }
+        // The model's scratch stays locked through the pass (which has its own scratch): that lock
+        // keeps every session's device work off the stream while another's is queued or captured.
+        let out = self.verify_rows(s, [t0, t1], want, hidden, states).map(Some);
         drop(sc);
-        self.verify_rows(s, [t0, t1], want, hidden, states).map(Some)
+        out
     }
 
     /// Keeps the first `keep` rows of the last [`CudaModel::verify`].
