@@ -2149,7 +2149,6 @@ impl CudaModel {
         )
     }
 
-    /// Hyper-connection read of x into `inp` (and the raw injection logits into `inj`).
     /// Whether [`CudaModel::hc_read`] runs as its two fused launches (the norm folded into the
     /// down projection, then `hc_up_mix`), which serve a verifying pass's rows.
     pub(crate) fn hc_read_fused(&self, hcw: &HyperConnection) -> bool {
@@ -2160,6 +2159,7 @@ impl CudaModel {
             && crate::weights::matvec_many_norm_fits(&self.gpu, &down, c.hidden_size)
     }
 
+    /// Hyper-connection read of x into `inp` (and the raw injection logits into `inj`).
     pub(crate) fn hc_read(&self, sc: &Scratch, hcw: &HyperConnection) -> Result<()> {
         let c = self.config();
         let (h, hc) = (c.hidden_size, c.hc_count);

@@ -48,7 +48,9 @@ pub(crate) struct RowScratch {
 impl RowScratch {
     fn new(gpu: &Gpu, c: &TextConfig, moe_layers: usize) -> Result<RowScratch> {
         const ALIGN: usize = 256;
-        // The vectors' bytes, from the layout itself: a scratch of empty views, discarded.
+        // The vectors' bytes, from the layout itself: a scratch whose device vectors are empty
+        // views, discarded (its MoE buffers and pinned inputs are real: a few small allocations,
+        // once, at the model's first pass).
         let probe = gpu.alloc(ALIGN, "a verifying pass's scratch layout")?;
         let mut bytes = 0usize;
         drop(scratch_with(gpu, c, moe_layers, &mut |n, _| {
