@@ -1211,9 +1211,13 @@ pub fn verify_rows_checks(cuda: &CudaModel, rng: &mut Rng, label: &str) -> Resul
         worst[2] = worst[2].max(e);
     }
     let ran = cuda.rows_run() - before;
-    let (x2, gdn) = cuda.rows_in_proj_layers();
+    let l = cuda.rows_layers();
     let how = if ran == 2 {
-        format!("as one pass (input projections over both rows in one launch in {x2} of {gdn} GDN layers)")
+        format!(
+            "as one pass (input projections over both rows in one launch in {} of {} GDN layers, every launch of \
+             {} of {} MoE blocks over both rows)",
+            l.in_proj_x2, l.gdn, l.moe_x2, l.moe
+        )
     } else {
         format!("(ran as one pass {ran} of 2 times)")
     };

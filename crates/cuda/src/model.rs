@@ -50,6 +50,7 @@ use crate::weights::{
 mod mtp;
 mod rows;
 use mtp::uncommitted;
+pub use rows::RowsLayers;
 
 /// The candidates a step with [`Want::Top`] left in its output (`k` ids as f32 bit patterns, then
 /// their `k` values), as (id, logit).
@@ -424,6 +425,9 @@ pub(crate) struct MoeBufs {
     /// Synthetic-router biases `[l, 2, E]`: for routing, then for predicting (read by the router
     /// from host memory).
     bias_host: Pinned,
+    /// Bytes from these bias rows to the next row's of a verifying pass (`route_topk_rows`; 0
+    /// elsewhere): host memory, outside the rows' allocation.
+    bias_next: i64,
     /// Per MoE layer [`STAMPS`] u64: the GPU clock (ns) when the block's expert kernels started
     /// (the read experts' gate/up launch, or the found experts' where the router finds them) and
     /// when the combination after them started, written by those kernels (`stamp_first`): the
@@ -703,9 +707,12 @@ pub struct CudaModel {
     /// Whether the pass's GDN input projections take both rows in each block (`matvec_many_x2`;
     /// `CHERENKOV_ROWS_IN_PROJ_APART=1`: one launch a row, a measurement).
     rows_in_proj_x2: bool,
-    /// GDN layers of the last captured pass whose input projections took both rows in one launch,
-    /// and its GDN layers (the checks name them).
-    rows_in_proj_layers: std::sync::atomic::AtomicU64,
+    /// Whether the pass's MoE blocks launch once for both rows where they can
+    /// ([`CudaModel::moe_rows_fit`]; `CHERENKOV_ROWS_MOE_APART=1`: once a row, a measurement).
+    rows_moe: bool,
+    /// What the last captured pass launched over both rows, layer by layer (the checks name it):
+    /// [`rows::RowsLayers`] packed.
+    rows_layers: std::sync::atomic::AtomicU64,
     row_scratch: Mutex<Option<rows::RowScratch>>,
     rows_graphs: Mutex<Vec<(rows::RowsKey, Graph)>>,
     predicted: Mutex<Vec<Option<Vec<usize>>>>,
@@ -769,7 +776,7 @@ fn scratch_with(
         attn_count: z(4 * c.num_attention_heads.max(1), "attention counters")?,
         idx: z(4 * 4096, "attention token lists")?,
         logits: z(f32s(c.vocab_size), "logits")?,
-        moe: MoeBufs::new(gpu, c, moe_layers, false)?,
+        moe: MoeBufs::new(gpu, c, moe_layers, false, &mut *z)?,
         step_in: z(step_in_bytes(c), "the step inputs")?,
         step_host: gpu.pinned(step_in_bytes(c), "the step inputs")?,
     })
@@ -923,7 +930,15 @@ impl MoeBufs {
         self.entries.at(l * entries_stride(k) + k * 8)
     }
 
-    fn new(gpu: &Gpu, c: &TextConfig, layers: usize, cpu_experts: bool) -> Result<MoeBufs> {
+    /// The buffers of `layers` MoE layers; the device ones from `z` (zeroed), so that a verifying
+    /// pass's rows find each other's at one distance ([`RowScratch`](rows::RowScratch)).
+    fn new(
+        gpu: &Gpu,
+        c: &TextConfig,
+        layers: usize,
+        cpu_experts: bool,
+        z: &mut dyn FnMut(usize, &str) -> Result<DevBuf>,
+    ) -> Result<MoeBufs> {
         let (l, k, e) = (layers.max(1), c.num_experts_per_tok.max(1), c.num_experts.max(1));
         let what = "the routing tables";
         let cpu_bufs = cpu_expert_bufs(gpu, c, layers, cpu_experts)?;
@@ -942,22 +957,23 @@ impl MoeBufs {
             .collect::<Result<Vec<_>>>()?;
         let flags = gpu.pinned(l * 16, what)?;
         let stride = entries_stride(k);
-        let entries = gpu.zeros(l * stride, what)?;
+        let entries = z(l * stride, what)?;
         let entries_host = gpu.pinned(l * stride, what)?;
-        let relays = gpu.zeros(l * 4 * 32, what)?;
+        let relays = z(l * 4 * 32, what)?;
         gpu.htod(relays.ptr, &relay_rows(l, stride, flags.dev, entries_host.dev, entries.ptr))?;
         Ok(MoeBufs {
-            ids: gpu.zeros(l * k * 4, what)?,
-            weights: gpu.zeros(l * k * 4, what)?,
+            ids: z(l * k * 4, what)?,
+            weights: z(l * k * 4, what)?,
             ids_host: gpu.pinned(l * k * 4, what)?,
             weights_host: gpu.pinned(l * k * 4, what)?,
-            pred_ids: gpu.zeros(l * 2 * k * 4, what)?,
-            pred_weights: gpu.zeros(l * 2 * k * 4, what)?,
+            pred_ids: z(l * 2 * k * 4, what)?,
+            pred_weights: z(l * 2 * k * 4, what)?,
             pred_host: gpu.pinned(l * 2 * k * 4, what)?,
             entries,
-            found: gpu.zeros(l * k * 8, what)?,
+            found: z(l * k * 8, what)?,
             entries_host,
             bias_host: gpu.pinned(l * 2 * e * 4, what)?,
+            bias_next: 0,
             stamps: gpu.pinned(l * STAMPS * 8, what)?,
             ready: gpu.pinned(l * 4, what)?,
             flags,
@@ -1071,7 +1087,8 @@ impl CudaModel {
             rows_run: std::sync::atomic::AtomicU64::new(0),
             rows_fused: std::env::var_os("CHERENKOV_ROWS_APART").is_none(),
             rows_in_proj_x2: std::env::var_os("CHERENKOV_ROWS_IN_PROJ_APART").is_none(),
-            rows_in_proj_layers: std::sync::atomic::AtomicU64::new(0),
+            rows_moe: std::env::var_os("CHERENKOV_ROWS_MOE_APART").is_none(),
+            rows_layers: std::sync::atomic::AtomicU64::new(0),
             row_scratch: Mutex::new(None),
             rows_graphs: Mutex::new(Vec::new()),
             predicted,
@@ -2590,7 +2607,7 @@ impl CudaModel {
         self.route(
             logits.ptr,
             slices,
-            bias,
+            (bias, mb.bias_next),
             k,
             mb.ids.at(l * k * 4),
             weights,
@@ -2628,7 +2645,7 @@ impl CudaModel {
                     n.gate.matvec(g, sc.inp.ptr, ahead.ptr)?;
                 }
                 let a = lookahead_topk(n)?;
-                self.route(a.logits, None, a.bias, a.k, a.ids, a.weights, a.host, 0, 0, 0, 0, 0, None)?;
+                self.route(a.logits, None, (a.bias, 0), a.k, a.ids, a.weights, a.host, 0, 0, 0, 0, 0, None)?;
             }
             self.record_head_event(&ev[5])?;
         }
@@ -2675,27 +2692,31 @@ impl CudaModel {
         let c = self.config();
         let (h, k) = (c.hidden_size, c.num_experts_per_tok);
         let [_, _, _, _, sgate, _, _] = &sc.big;
-        gpu.launch(
-            "moe_combine",
-            (blocks(h, 256), 1, 1),
-            256,
-            0,
-            &[
-                Arg::Ptr(sc.eout.ptr),
-                Arg::Ptr(ranks),
-                Arg::Ptr(sc.moe.weights.at(l * k * 4)),
-                Arg::I32(k as i32),
-                Arg::Ptr(shared_out),
-                Arg::Ptr(sgate.ptr),
-                Arg::Ptr(sc.out.ptr),
-                Arg::I32(h as i32),
-                // Fused hyper-connection injection (the step's blocks), else none.
-                Arg::Ptr(if inject { sc.x.ptr } else { 0 }),
-                Arg::Ptr(sc.inj.ptr),
-                Arg::I32(c.hc_count as i32),
-                Arg::Ptr(stamp),
-            ],
-        )
+        let mut args = vec![
+            Arg::Ptr(sc.eout.ptr),
+            Arg::Ptr(ranks),
+            Arg::Ptr(sc.moe.weights.at(l * k * 4)),
+            Arg::I32(k as i32),
+            Arg::Ptr(shared_out),
+            Arg::Ptr(sgate.ptr),
+            Arg::Ptr(sc.out.ptr),
+            Arg::I32(h as i32),
+            // Fused hyper-connection injection (the step's blocks), else none.
+            Arg::Ptr(if inject { sc.x.ptr } else { 0 }),
+            Arg::Ptr(sc.inj.ptr),
+            Arg::I32(c.hc_count as i32),
+            Arg::Ptr(stamp),
+        ];
+        // A verifying pass's rows: each row's own vectors, one stride apart.
+        let (rows, rs) = gpu.rows();
+        if rows > 1 {
+            if stamp != 0 {
+                bail!("moe_combine_rows: a verifying pass's rows are not stamped");
+            }
+            args.push(Arg::U64(rs));
+            return gpu.launch("moe_combine_rows", (blocks(h, 256), 1, rows), 256, 0, &args);
+        }
+        gpu.launch("moe_combine", (blocks(h, 256), 1, 1), 256, 0, &args)
     }
 
     /// Records one of a streamed head's events (router ready, its timed twin, lookahead ready):
@@ -3479,7 +3500,7 @@ impl CudaModel {
         &self,
         logits: u64,
         slices: Option<crate::weights::DeferredSlices>,
-        bias: u64,
+        (bias, bias_next): (u64, i64),
         k: usize,
         ids: u64,
         weights: u64,
@@ -3493,38 +3514,45 @@ impl CudaModel {
     ) -> Result<()> {
         let c = self.config();
         let a = beside.unwrap_or_default();
-        self.gpu.launch(
-            "route_topk",
-            (if beside.is_some() { 2 } else { 1 }, 1, 1),
-            // One thread per expert.
-            c.num_experts.next_multiple_of(32) as u32,
-            0,
-            &[
-                Arg::Ptr(logits),
-                Arg::Ptr(bias),
-                Arg::F32(self.skew.as_ref().map_or(1.0, |s| s.skew.model as f32)),
-                Arg::I32(c.num_experts as i32),
-                Arg::I32(k as i32),
-                Arg::I32(c.norm_topk_prob as i32),
-                Arg::Ptr(ids),
-                Arg::Ptr(weights),
-                Arg::Ptr(host),
-                Arg::Ptr(map),
-                Arg::Ptr(table),
-                Arg::Ptr(ranks),
-                // The router launch's slices where it left them (`logits` is then not written).
-                Arg::Ptr(slices.map_or(0, |s| s.parts)),
-                Arg::I32(slices.map_or(0, |s| s.slices as i32)),
-                Arg::Ptr(ready),
-                Arg::Ptr(after),
-                Arg::Ptr(a.logits),
-                Arg::Ptr(a.bias),
-                Arg::I32(a.k as i32),
-                Arg::Ptr(a.ids),
-                Arg::Ptr(a.weights),
-                Arg::Ptr(a.host),
-            ],
-        )
+        let mut args = vec![
+            Arg::Ptr(logits),
+            Arg::Ptr(bias),
+            Arg::F32(self.skew.as_ref().map_or(1.0, |s| s.skew.model as f32)),
+            Arg::I32(c.num_experts as i32),
+            Arg::I32(k as i32),
+            Arg::I32(c.norm_topk_prob as i32),
+            Arg::Ptr(ids),
+            Arg::Ptr(weights),
+            Arg::Ptr(host),
+            Arg::Ptr(map),
+            Arg::Ptr(table),
+            Arg::Ptr(ranks),
+            // The router launch's slices where it left them (`logits` is then not written).
+            Arg::Ptr(slices.map_or(0, |s| s.parts)),
+            Arg::I32(slices.map_or(0, |s| s.slices as i32)),
+            Arg::Ptr(ready),
+            Arg::Ptr(after),
+        ];
+        // One thread per expert.
+        let threads = c.num_experts.next_multiple_of(32) as u32;
+        // A verifying pass's rows: one block a row, each row's own buffers (none on the host).
+        let (rows, rs) = self.gpu.rows();
+        if rows > 1 {
+            if beside.is_some() || host != 0 || ready != 0 || after != 0 {
+                bail!("route_topk_rows: a verifying pass's rows take no lookahead, host ids, ready flag or wait");
+            }
+            args.extend([Arg::U64(rs), Arg::U64(bias_next as u64)]);
+            return self.gpu.launch("route_topk_rows", (1, 1, rows), threads, 0, &args);
+        }
+        args.extend([
+            Arg::Ptr(a.logits),
+            Arg::Ptr(a.bias),
+            Arg::I32(a.k as i32),
+            Arg::Ptr(a.ids),
+            Arg::Ptr(a.weights),
+            Arg::Ptr(a.host),
+        ]);
+        self.gpu.launch("route_topk", (if beside.is_some() { 2 } else { 1 }, 1, 1), threads, 0, &args)
     }
 
     /// The gate/up then the down kernel of table entries `first..first + n`, on `io`

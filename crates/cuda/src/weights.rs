@@ -850,11 +850,20 @@ fn launch_many(
     // A verifying pass's rows (`Gpu::with_rows`): `matvec_many`'s launch serves them all.
     let (rows, stride) = gpu.rows();
     let (kernel, grid) = if rows > 1 {
-        if kernel != "matvec_many" || conv.is_some() {
-            bail!("{kernel} serves one row a launch (only matvec_many without a folded conv serves a pass's rows)");
+        // The one-row kernel's code and plans: each row's sums bit for bit a step's.
+        let rows_kernel = match kernel {
+            "matvec_many" => "matvec_many_rows",
+            "matvec_many_48" => "matvec_many_48_rows",
+            _ => "",
+        };
+        if rows_kernel.is_empty() || conv.is_some() {
+            bail!(
+                "{kernel} serves one row a launch (only matvec_many and matvec_many_48 without a folded conv serve a \
+                 pass's rows)"
+            );
         }
         args.push(Arg::U64(stride));
-        ("matvec_many_rows", (grid.0, grid.1, rows))
+        (rows_kernel, (grid.0, grid.1, rows))
     } else {
         (kernel, grid)
     };
@@ -1355,6 +1364,17 @@ fn record_tiled(m: &RecordMatrix, cols: usize, record_bytes: usize) -> Option<(u
     }
 }
 
+/// Whether `launch_experts` runs a layer's experts on the tiled core, gate/up and down both (only
+/// then does it serve a verifying pass's rows); `dims` = (intermediate, hidden).
+pub fn experts_tiled(layout: &ExpertLayout, record_bytes: usize, dims: (usize, usize)) -> bool {
+    let (inter, h) = dims;
+    let (g, u, d) = (&layout.gate_proj, &layout.up_proj, &layout.down_proj);
+    record_tiled(g, h, record_bytes).is_some()
+        && record_tiled(u, h, record_bytes).is_some()
+        && g.precision == u.precision
+        && record_tiled(d, inter, record_bytes).is_some()
+}
+
 /// Queues the gate/up and down kernels of address-table entries `first..first + n` (records of
 /// `layout`, `record_bytes` apart in their pool; `dims` = (intermediate, hidden)). 2-, 4- and 8-bit
 /// records of 16-byte aligned matrices take the tiled core (linear.cu): one plan for all n entries
@@ -1375,8 +1395,10 @@ pub fn launch_experts(
         return Ok(());
     }
     let (inter, h) = dims;
-    let (gk, dk) = crate::model::expert_kernels(layout)?;
+    let (mut gk, mut dk) = crate::model::expert_kernels(layout)?;
     let (gu, down) = (&layout.gate_proj, &layout.down_proj);
+    // A verifying pass's rows ([`Gpu::with_rows`]): the `_rows` kernels, one grid layer a row.
+    let (rows, rs) = g.rows();
     let gs = |m: &RecordMatrix| match m.precision {
         Precision::Affine { group_size, .. } => group_size as i32,
         _ => 1,
@@ -1405,6 +1427,18 @@ pub fn launch_experts(
              shared_gate_up_rides)",
             layout.layer
         );
+    }
+    if rows > 1 {
+        if !experts_tiled(layout, record_bytes, dims) || io.stamp != 0 || io.wait_front != 0 || io.wait_back != 0 {
+            bail!(
+                "{}: a verifying pass's rows run the tiled expert kernels only, unstamped and unflagged",
+                layout.layer
+            );
+        }
+        // Each row takes one row's plan (a grid as deep as the rows), so that its sums are a
+        // step's bit for bit: the lanes a tile gets depend on the entries planned for (`plan_tiles`).
+        gk = gk.replacen("_q", "_rows_q", 1);
+        dk = dk.replacen("_q", "_rows_q", 1);
     }
     let ng = n + usize::from(shared_gu.is_some());
     let (gb, gt, gsh, rpb_g) = match gate_up_tiled {
@@ -1437,70 +1471,63 @@ pub fn launch_experts(
     };
     let gsh = spread(gate_up_tiled, gsh, gb as usize * ng);
     let dsh = spread(tiled(down, inter), dsh, db as usize * nd);
+    let row_stride = (rows > 1).then_some(Arg::U64(rs));
     let sh = shared.unwrap_or(SharedDown { data: 0, scales: 0, biases: 0, group_size: 1, gate: 0, up: 0, out: 0 });
     let shg =
         shared_gu.unwrap_or(SharedGateUp { gate: (0, 0, 0), up: (0, 0, 0), group_size: 1, gate_out: 0, up_out: 0 });
-    g.launch(
-        &gk,
-        (gb, ng as u32, 1),
-        gt,
-        gsh,
-        &[
-            Arg::Ptr(table),
-            Arg::I32(first as i32),
-            Arg::Ptr(io.x),
-            Arg::Ptr(io.act),
-            Arg::I32(inter as i32),
-            Arg::I32(h as i32),
-            Arg::I32(gs(gu)),
-            Arg::I32(rpb_g as i32),
-            Arg::U64(gu.data.offset),
-            Arg::U64(off(gu.scales)),
-            Arg::U64(off(gu.biases)),
-            Arg::U64(layout.up_proj.data.offset),
-            Arg::U64(off(layout.up_proj.scales)),
-            Arg::U64(off(layout.up_proj.biases)),
-            Arg::Ptr(io.stamp),
-            Arg::Ptr(shg.gate.0),
-            Arg::Ptr(shg.gate.1),
-            Arg::Ptr(shg.gate.2),
-            Arg::Ptr(shg.up.0),
-            Arg::Ptr(shg.up.1),
-            Arg::Ptr(shg.up.2),
-            Arg::I32(shg.group_size as i32),
-            Arg::Ptr(shg.gate_out),
-            Arg::Ptr(shg.up_out),
-            Arg::Ptr(io.wait_front),
-        ],
-    )?;
+    let gate_up_args = [
+        Arg::Ptr(table),
+        Arg::I32(first as i32),
+        Arg::Ptr(io.x),
+        Arg::Ptr(io.act),
+        Arg::I32(inter as i32),
+        Arg::I32(h as i32),
+        Arg::I32(gs(gu)),
+        Arg::I32(rpb_g as i32),
+        Arg::U64(gu.data.offset),
+        Arg::U64(off(gu.scales)),
+        Arg::U64(off(gu.biases)),
+        Arg::U64(layout.up_proj.data.offset),
+        Arg::U64(off(layout.up_proj.scales)),
+        Arg::U64(off(layout.up_proj.biases)),
+        Arg::Ptr(io.stamp),
+        Arg::Ptr(shg.gate.0),
+        Arg::Ptr(shg.gate.1),
+        Arg::Ptr(shg.gate.2),
+        Arg::Ptr(shg.up.0),
+        Arg::Ptr(shg.up.1),
+        Arg::Ptr(shg.up.2),
+        Arg::I32(shg.group_size as i32),
+        Arg::Ptr(shg.gate_out),
+        Arg::Ptr(shg.up_out),
+        Arg::Ptr(io.wait_front),
+    ];
+    let args: Vec<Arg> = gate_up_args.into_iter().chain(row_stride).collect();
+    g.launch(&gk, (gb, ng as u32, rows), gt, gsh, &args)?;
     between()?;
-    g.launch(
-        &dk,
-        (db, nd as u32, 1),
-        dt,
-        dsh,
-        &[
-            Arg::Ptr(table),
-            Arg::I32(first as i32),
-            Arg::Ptr(io.act),
-            Arg::Ptr(io.out),
-            Arg::I32(inter as i32),
-            Arg::I32(h as i32),
-            Arg::I32(gs(down)),
-            Arg::I32(rpb_d as i32),
-            Arg::U64(down.data.offset),
-            Arg::U64(off(down.scales)),
-            Arg::U64(off(down.biases)),
-            Arg::Ptr(sh.data),
-            Arg::Ptr(sh.scales),
-            Arg::Ptr(sh.biases),
-            Arg::I32(sh.group_size as i32),
-            Arg::Ptr(sh.gate),
-            Arg::Ptr(sh.up),
-            Arg::Ptr(sh.out),
-            Arg::Ptr(io.wait_back),
-        ],
-    )
+    let down_args = [
+        Arg::Ptr(table),
+        Arg::I32(first as i32),
+        Arg::Ptr(io.act),
+        Arg::Ptr(io.out),
+        Arg::I32(inter as i32),
+        Arg::I32(h as i32),
+        Arg::I32(gs(down)),
+        Arg::I32(rpb_d as i32),
+        Arg::U64(down.data.offset),
+        Arg::U64(off(down.scales)),
+        Arg::U64(off(down.biases)),
+        Arg::Ptr(sh.data),
+        Arg::Ptr(sh.scales),
+        Arg::Ptr(sh.biases),
+        Arg::I32(sh.group_size as i32),
+        Arg::Ptr(sh.gate),
+        Arg::Ptr(sh.up),
+        Arg::Ptr(sh.out),
+        Arg::Ptr(io.wait_back),
+    ];
+    let args: Vec<Arg> = down_args.into_iter().chain(row_stride).collect();
+    g.launch(&dk, (db, nd as u32, rows), dt, dsh, &args)
 }
 
 pub fn dtype_code(d: DType) -> Result<i32> {

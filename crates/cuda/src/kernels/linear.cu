@@ -1346,9 +1346,11 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
     const float *x, const float *x2, float xs, int op, int cols, float *scratch, MV_PART_ARGS(0), MV_PART_ARGS(1), \
         MV_PART_ARGS(2), MV_PART_ARGS(3), int norm_group, float norm_eps, float *norm_inv, float *conv_state,      \
         const float *conv_w, int conv_k, int defer_parts, int ahead_parts
-#define MATVEC_MANY_PART(B, NORM, AHEAD)                                                                      \
+#define MATVEC_MANY_PART(B, NORM, AHEAD) MATVEC_MANY_PART_Y(B, NORM, AHEAD, MV_SEL(y))
+// (Y: the block's part's output.)
+#define MATVEC_MANY_PART_Y(B, NORM, AHEAD, Y)                                                                 \
     matvec_many_part<B, NORM, AHEAD>(x, MvIn{x2, xs, op}, cols, MV_SEL(g), scratch, MV_SEL(W), MV_SEL(S), MV_SEL(Bi),      \
-                        MV_SEL(y), MV_SEL(r), MV_SEL(l), MV_SEL(n), MV_SEL(k),                               \
+                        Y, MV_SEL(r), MV_SEL(l), MV_SEL(n), MV_SEL(k),                               \
                         MvNorm{norm_group, norm_eps, norm_inv}, MvConv{conv_state, conv_w, conv_k},          \
                         NORM ? ((defer_parts >> p) & 1) != 0 : p == 0 && defer_parts != 0,                 \
                         ((ahead_parts >> p) & 1) != 0, p, bx)
@@ -1404,6 +1406,23 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_many_48(MATVEC_MANY_
         MATVEC_MANY_PART(4, false, false);
     } else {
         MATVEC_MANY_PART(8, false, false);
+    }
+}
+
+// matvec_many_48 over a verifying pass's rows (blockIdx.z; row_ptr), as matvec_many_rows, with
+// matvec_many_48's plans (3 blocks a multiprocessor) and sums, bit for bit: the router launch of a
+// pass's MoE blocks. Two blocks a multiprocessor: at three the row pointers spilled 108 bytes, with
+// every part's output moved up front or only this block's.
+extern "C" __global__ void __launch_bounds__(256, 2) matvec_many_48_rows(MATVEC_MANY_ARGS, long long rs) {
+    KSPAN;
+    const int p = blockIdx.y, bx = blockIdx.x;
+    x = row_ptr(x, rs);
+    if (op != MV_IN_ONE_PLUS) x2 = row_ptr(x2, rs);
+    scratch = row_ptr(scratch, rs);
+    if (MV_SEL(b) == 4) {
+        MATVEC_MANY_PART_Y(4, false, false, row_ptr(MV_SEL(y), rs));
+    } else {
+        MATVEC_MANY_PART_Y(8, false, false, row_ptr(MV_SEL(y), rs));
     }
 }
 

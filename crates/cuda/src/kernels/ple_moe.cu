@@ -111,11 +111,15 @@ __device__ __forceinline__ u32 route_key(float v) {
 #ifndef ROUTE_SUM_BATCH
 #define ROUTE_SUM_BATCH 16
 #endif
-extern "C" __global__ void route_topk(const float* logits, const float* bias, float model_w, int E, int k, int norm,
-                                      int* ids, float* weights, int* ids_host, const u64* map, u64* table,
-                                      int* rank_entry, const float* parts, int ks, unsigned* ready,
-                                      const unsigned* after, const float* a_logits, const float* a_bias, int a_k,
-                                      int* a_ids, float* a_weights, int* a_ids_host) {
+#define ROUTE_TOPK_ARGS                                                                                          \
+    const float *logits, const float *bias, float model_w, int E, int k, int norm, int *ids, float *weights,      \
+        int *ids_host, const u64 *map, u64 *table, int *rank_entry, const float *parts, int ks, unsigned *ready, \
+        const unsigned *after
+#define ROUTE_TOPK_PASS logits, bias, model_w, E, k, norm, ids, weights, ids_host, map, table, rank_entry, parts, ks, ready, after
+__device__ __forceinline__ void route_topk_body(ROUTE_TOPK_ARGS);
+
+extern "C" __global__ void route_topk(ROUTE_TOPK_ARGS, const float* a_logits, const float* a_bias, int a_k, int* a_ids,
+                                      float* a_weights, int* a_ids_host) {
     KSPAN;
     if (blockIdx.x == 1) {
         logits = a_logits;
@@ -132,6 +136,26 @@ extern "C" __global__ void route_topk(const float* logits, const float* bias, fl
         ready = nullptr;
         after = nullptr;
     }
+    route_topk_body(ROUTE_TOPK_PASS);
+}
+
+// route_topk over a verifying pass's rows (blockIdx.z; row_ptr): each row's logits (or the router
+// launch's slices), ids, weights, table and per-rank entries its own; the synthetic routers' bias
+// rows `bias_rs` bytes apart (host memory, not the rows' allocation); the resident map shared. No
+// lookahead, host ids, ready flag or wait (a replayed pass with every expert resident).
+extern "C" __global__ void route_topk_rows(ROUTE_TOPK_ARGS, long long rs, long long bias_rs) {
+    KSPAN;
+    logits = row_ptr(logits, rs);
+    bias = row_ptr(bias, bias_rs);
+    ids = row_ptr(ids, rs);
+    weights = row_ptr(weights, rs);
+    table = row_ptr(table, rs);
+    rank_entry = row_ptr(rank_entry, rs);
+    parts = row_ptr(parts, rs);
+    route_topk_body(ROUTE_TOPK_PASS);
+}
+
+__device__ __forceinline__ void route_topk_body(ROUTE_TOPK_ARGS) {
     // `after` (may be null): the previous block's turn done (the hit map and the slots the host
     // retires change only in a turn), before the map is read.
     if (after) {
@@ -512,46 +536,87 @@ __device__ __forceinline__ void expert_down_tiled(const u64* table, int first, c
         flag_wait(wait);                                                                                               \
         expert_down<B>(table, first, act, out, I, H, gs, rpb, d_w, d_s, d_b);                                         \
     }
+#define EXPERT_GATE_UP_ARGS                                                                                      \
+    const u64 *table, int first, const float *x, float *act, int I, int H, int gs, int rpb, u64 g_w, u64 g_s,       \
+        u64 g_b, u64 u_w, u64 u_s, u64 u_b, u64 *stamp, const u32 *shg_w, const u16 *shg_s, const u16 *shg_b,     \
+        const u32 *shu_w, const u16 *shu_s, const u16 *shu_b, int sh_gs, float *sh_gate, float *sh_up,            \
+        const unsigned *wait
+#define EXPERT_GATE_UP_PASS                                                                                      \
+    table, first, x, act, I, H, gs, rpb, g_w, g_s, g_b, u_w, u_s, u_b, stamp, shg_w, shg_s, shg_b, shu_w, shu_s,   \
+        shu_b, sh_gs, sh_gate, sh_up, wait
+#define EXPERT_DOWN_ARGS                                                                                         \
+    const u64 *table, int first, const float *act, float *out, int I, int H, int gs, int rpb, u64 d_w, u64 d_s,    \
+        u64 d_b, const u32 *sh_w, const u16 *sh_s, const u16 *sh_b, int sh_gs, const float *sh_gate,              \
+        const float *sh_up, float *sh_out, const unsigned *wait
+#define EXPERT_DOWN_PASS                                                                                         \
+    table, first, act, out, I, H, gs, rpb, d_w, d_s, d_b, sh_w, sh_s, sh_b, sh_gs, sh_gate, sh_up, sh_out, wait
+
+template <int B>
+__device__ __forceinline__ void expert_gate_up_kernel(EXPERT_GATE_UP_ARGS) {
+    if (GATE_UP_STAGE_EARLY && (rpb & MV_TILED)) mv_stage_all<B>(x, H);
+    if (shg_w && blockIdx.y == gridDim.y - 1) {
+        /* The shared expert riding along: no wait (see SharedGateUp). */
+        grid_release();
+        if (!GATE_UP_STAGE_EARLY) mv_stage_all<B>(x, H);
+        shared_gate_up_tiled<B>(x, I, H, rpb & (MV_TILED - 1),
+                                SharedGateUp{shg_w, shg_s, shg_b, shu_w, shu_s, shu_b, sh_gs, sh_gate, sh_up});
+        return;
+    }
+    grid_enter();
+    if (wait && stamp) stamp_first(stamp + 1); /* the wait's start, then its end */
+    flag_wait(wait); /* a replayed step's read experts: their records landed, their table written */
+    stamp_first(stamp);
+    if (!table[first + blockIdx.y]) return; /* not in the hit map: the host's launch computes it */
+    if (rpb & MV_TILED) {
+        expert_gate_up_tiled<B>(table, first, x, act, I, H, gs, rpb & (MV_TILED - 1), g_w, g_s, g_b, u_w, u_s, u_b);
+    } else {
+        expert_gate_up<B>(table, first, x, act, I, H, gs, rpb, g_w, g_s, g_b, u_w, u_s, u_b);
+    }
+}
+
+template <int B>
+__device__ __forceinline__ void expert_down_kernel(EXPERT_DOWN_ARGS) {
+    if (rpb & MV_TILED) {
+        expert_down_tiled<B>(table, first, act, out, I, H, gs, rpb & (MV_TILED - 1), d_w, d_s, d_b,
+                             SharedDown{sh_w, sh_s, sh_b, sh_gs, sh_gate, sh_up, sh_out}, wait);
+    } else {
+        grid_enter();
+        flag_wait(wait);
+        expert_down<B>(table, first, act, out, I, H, gs, rpb, d_w, d_s, d_b);
+    }
+}
+
 // MINB as for matvec_q (blocks of 256 threads per multiprocessor; launch_experts knows it).
+// The `_rows` kernels serve a verifying pass's rows (blockIdx.z; row_ptr): each row's table, input,
+// activations and outputs its own, the shared expert's riding outputs too; no stamp or flag.
 #define EXPERT_KERNELS_TILED(B, MINB)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(256, MINB)                                                          \
-        expert_gate_up_q##B(const u64* table, int first, const float* x, float* act, int I, int H, int gs, int rpb,  \
-                            u64 g_w, u64 g_s, u64 g_b, u64 u_w, u64 u_s, u64 u_b, u64* stamp, const u32* shg_w,       \
-                            const u16* shg_s, const u16* shg_b, const u32* shu_w, const u16* shu_s, const u16* shu_b, \
-                            int sh_gs, float* sh_gate, float* sh_up, const unsigned* wait) { KSPAN;                   \
-        if (GATE_UP_STAGE_EARLY && (rpb & MV_TILED)) mv_stage_all<B>(x, H);                                          \
-        if (shg_w && blockIdx.y == gridDim.y - 1) {                                                                   \
-            /* The shared expert riding along: no wait (see SharedGateUp). */                                         \
-            grid_release();                                                                                           \
-            if (!GATE_UP_STAGE_EARLY) mv_stage_all<B>(x, H);                                                          \
-            shared_gate_up_tiled<B>(x, I, H, rpb & (MV_TILED - 1),                                                    \
-                                    SharedGateUp{shg_w, shg_s, shg_b, shu_w, shu_s, shu_b, sh_gs, sh_gate, sh_up});   \
-            return;                                                                                                   \
-        }                                                                                                             \
-        grid_enter();                                                                                                 \
-        if (wait && stamp) stamp_first(stamp + 1); /* the wait's start, then its end */                               \
-        flag_wait(wait); /* a replayed step's read experts: their records landed, their table written */              \
-        stamp_first(stamp);                                                                                           \
-        if (!table[first + blockIdx.y]) return; /* not in the hit map: the host's launch computes it */               \
-        if (rpb & MV_TILED) {                                                                                         \
-            expert_gate_up_tiled<B>(table, first, x, act, I, H, gs, rpb & (MV_TILED - 1), g_w, g_s, g_b, u_w, u_s,  \
-                                    u_b);                                                                             \
-        } else {                                                                                                      \
-            expert_gate_up<B>(table, first, x, act, I, H, gs, rpb, g_w, g_s, g_b, u_w, u_s, u_b);                     \
-        }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256, MINB) expert_gate_up_q##B(EXPERT_GATE_UP_ARGS) {               \
+        KSPAN;                                                                                                        \
+        expert_gate_up_kernel<B>(EXPERT_GATE_UP_PASS);                                                                \
     }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(256, MINB)                                                          \
-        expert_down_q##B(const u64* table, int first, const float* act, float* out, int I, int H, int gs, int rpb,   \
-                         u64 d_w, u64 d_s, u64 d_b, const u32* sh_w, const u16* sh_s, const u16* sh_b, int sh_gs,    \
-                         const float* sh_gate, const float* sh_up, float* sh_out, const unsigned* wait) { KSPAN;      \
-        if (rpb & MV_TILED) {                                                                                         \
-            expert_down_tiled<B>(table, first, act, out, I, H, gs, rpb & (MV_TILED - 1), d_w, d_s, d_b,             \
-                                 SharedDown{sh_w, sh_s, sh_b, sh_gs, sh_gate, sh_up, sh_out}, wait);                 \
-        } else {                                                                                                      \
-            grid_enter();                                                                                             \
-            flag_wait(wait);                                                                                          \
-            expert_down<B>(table, first, act, out, I, H, gs, rpb, d_w, d_s, d_b);                                     \
-        }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256, MINB) expert_down_q##B(EXPERT_DOWN_ARGS) {                     \
+        KSPAN;                                                                                                        \
+        expert_down_kernel<B>(EXPERT_DOWN_PASS);                                                                      \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256, MINB) expert_gate_up_rows_q##B(EXPERT_GATE_UP_ARGS,            \
+                                                                                      long long rs) {                 \
+        KSPAN;                                                                                                        \
+        table = row_ptr(table, rs);                                                                                   \
+        x = row_ptr(x, rs);                                                                                           \
+        act = row_ptr(act, rs);                                                                                       \
+        sh_gate = row_ptr(sh_gate, rs);                                                                               \
+        sh_up = row_ptr(sh_up, rs);                                                                                   \
+        expert_gate_up_kernel<B>(EXPERT_GATE_UP_PASS);                                                                \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256, MINB) expert_down_rows_q##B(EXPERT_DOWN_ARGS, long long rs) {  \
+        KSPAN;                                                                                                        \
+        table = row_ptr(table, rs);                                                                                   \
+        act = row_ptr(act, rs);                                                                                       \
+        out = row_ptr(out, rs);                                                                                       \
+        sh_gate = row_ptr(sh_gate, rs);                                                                               \
+        sh_up = row_ptr(sh_up, rs);                                                                                   \
+        sh_out = row_ptr(sh_out, rs);                                                                                 \
+        expert_down_kernel<B>(EXPERT_DOWN_PASS);                                                                      \
     }
 EXPERT_KERNELS_TILED(2, 2)
 EXPERT_KERNELS(3)
@@ -575,10 +640,24 @@ EXPERT_KERNELS_TILED(8, 3)
 #ifndef COMBINE_BATCH
 #define COMBINE_BATCH 8
 #endif
-extern "C" __global__ void moe_combine(const float* out, const int* entry, const float* w, int k, const float* shared,
-                                       const float* shared_gate, float* y, int H, float* x, const float* inj, int hc,
-                                       u64* stamp) {
+#define MOE_COMBINE_ARGS                                                                                         \
+    const float *out, const int *entry, const float *w, int k, const float *shared, const float *shared_gate,     \
+        float *y, int H, float *x, const float *inj, int hc, u64 *stamp
+__device__ __forceinline__ void moe_combine_body(MOE_COMBINE_ARGS);
+
+extern "C" __global__ void moe_combine(MOE_COMBINE_ARGS) {
     KSPAN;
+    moe_combine_body(out, entry, w, k, shared, shared_gate, y, H, x, inj, hc, stamp);
+}
+
+// moe_combine over a verifying pass's rows (blockIdx.z; row_ptr): every vector a row's own; no stamp.
+extern "C" __global__ void moe_combine_rows(MOE_COMBINE_ARGS, long long rs) {
+    KSPAN;
+    moe_combine_body(row_ptr(out, rs), row_ptr(entry, rs), row_ptr(w, rs), k, row_ptr(shared, rs),
+                     row_ptr(shared_gate, rs), row_ptr(y, rs), H, row_ptr(x, rs), row_ptr(inj, rs), hc, nullptr);
+}
+
+__device__ __forceinline__ void moe_combine_body(MOE_COMBINE_ARGS) {
 #ifdef COMBINE_LATE
     grid_enter();
 #endif

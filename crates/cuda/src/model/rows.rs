@@ -48,14 +48,13 @@ pub(crate) struct RowScratch {
 impl RowScratch {
     fn new(gpu: &Gpu, c: &TextConfig, moe_layers: usize) -> Result<RowScratch> {
         const ALIGN: usize = 256;
-        // The vectors' bytes, from the layout itself: a scratch whose device vectors are empty
-        // views, discarded (its MoE buffers and pinned inputs are real: a few small allocations,
-        // once, at the model's first pass).
-        let probe = gpu.alloc(ALIGN, "a verifying pass's scratch layout")?;
+        // The vectors' bytes, from the layout itself: a scratch made and dropped, once, at the
+        // model's first pass (a few MB; its buffers are real, since making the MoE buffers writes
+        // to one of them).
         let mut bytes = 0usize;
-        drop(scratch_with(gpu, c, moe_layers, &mut |n, _| {
+        drop(scratch_with(gpu, c, moe_layers, &mut |n, what| {
             bytes += n.next_multiple_of(ALIGN);
-            probe.view(0, 0)
+            gpu.zeros(n, what)
         })?);
         let stride = (bytes + SPLIT_SCRATCH_BYTES).next_multiple_of(ALIGN);
         let arena = gpu.zeros(2 * stride, "a verifying pass's two rows of scratch")?;
@@ -67,9 +66,38 @@ impl RowScratch {
                 Ok(v)
             })
         };
-        let rows = [row(0)?, row(1)?];
+        let mut rows = [row(0)?, row(1)?];
+        // The synthetic routers' bias rows are host memory, each row's its own allocation.
+        rows[0].moe.bias_next = rows[1].moe.bias_host.dev.wrapping_sub(rows[0].moe.bias_host.dev) as i64;
         let split = [arena.at(bytes), arena.at(stride + bytes)];
         Ok(RowScratch { rows, stride, split, _arena: arena })
+    }
+}
+
+/// What a captured pass launched over both rows, layer by layer (the checks name it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RowsLayers {
+    /// GDN layers whose recurrence ran over both rows in one launch.
+    pub gdn: u16,
+    /// Of those, the layers whose input projections took both rows in each block.
+    pub in_proj_x2: u16,
+    /// MoE blocks.
+    pub moe: u16,
+    /// Of those, the blocks whose every launch served both rows.
+    pub moe_x2: u16,
+}
+
+impl RowsLayers {
+    fn pack(self) -> u64 {
+        u64::from(self.gdn)
+            | u64::from(self.in_proj_x2) << 16
+            | u64::from(self.moe) << 32
+            | u64::from(self.moe_x2) << 48
+    }
+
+    fn unpack(v: u64) -> RowsLayers {
+        let at = |i: u32| (v >> (16 * i)) as u16;
+        RowsLayers { gdn: at(0), in_proj_x2: at(1), moe: at(2), moe_x2: at(3) }
     }
 }
 
@@ -203,11 +231,9 @@ impl CudaModel {
         self.verify_rows.store(on, Ordering::Relaxed);
     }
 
-    /// Of the GDN layers that ran their recurrence over both rows in the last captured pass: how
-    /// many took both rows' input projections in one launch, and how many there were.
-    pub fn rows_in_proj_layers(&self) -> (u64, u64) {
-        let v = self.rows_in_proj_layers.load(Ordering::Relaxed);
-        (v >> 32, v & 0xffff_ffff)
+    /// What the last captured pass launched over both rows, layer by layer.
+    pub fn rows_layers(&self) -> RowsLayers {
+        RowsLayers::unpack(self.rows_layers.load(Ordering::Relaxed))
     }
 
     /// Verifying forwards run as passes over their rows so far.
@@ -235,7 +261,12 @@ impl CudaModel {
             })?;
         }
         let mut st = [MoeStep::new(), MoeStep::new()];
-        let (mut gdn, mut in_proj_x2) = (0u64, 0u64);
+        for st in &mut st {
+            st.untimed = true;
+            // The combination injects the MoE output (no separate hc_inject).
+            st.inject = true;
+        }
+        let mut done = RowsLayers::default();
         for (i, layer) in w.layers.iter().enumerate().take(depth) {
             let next = w.layers[..depth].get(i + 1).map(|l| &l.moe);
             if let Some(p) = &layer.ple {
@@ -257,8 +288,8 @@ impl CudaModel {
                         Some(cm) if self.rows_in_proj_x2 => self.gdn_in_proj_x2(rs, gw, conv, cm)?,
                         _ => false,
                     };
-                    gdn += 1;
-                    in_proj_x2 += u64::from(both);
+                    done.gdn += 1;
+                    done.in_proj_x2 += u16::from(both);
                     for r in (0..2).filter(|_| !both) {
                         if r == 1 {
                             s.copy_layer_states(states, i, LayerStates::Conv, true)?;
@@ -289,18 +320,30 @@ impl CudaModel {
                 }
             }
             self.hc_read_rows(rs, &layer.mlp_hc)?;
-            for (r, st) in st.iter_mut().enumerate() {
-                st.untimed = true;
+            done.moe += 1;
+            if self.rows_fused && self.rows_moe && self.moe_rows_fit(&rs.rows[0], &layer.moe) {
+                // Every launch of the block serves both rows: row 0's buffers, row 1's a stride on.
+                done.moe_x2 += 1;
+                let (split, stride) = (rs.split[0], rs.stride as u64);
+                let (sc, st) = (&mut rs.rows[0], &mut st[0]);
                 st.head_queued = true;
-                // The combination injects the MoE output (no separate hc_inject).
-                st.inject = true;
+                g.with_split_scratch(split, || {
+                    g.with_rows(2, stride, || {
+                        self.moe_head(sc, &layer.moe, next, false, 0)?;
+                        self.moe(sc, &layer.moe, next, st)
+                    })
+                })?;
+                continue;
+            }
+            for (r, st) in st.iter_mut().enumerate() {
+                st.head_queued = true;
                 on(rs, r, &mut |sc| {
                     self.moe_head(sc, &layer.moe, next, false, 0)?;
                     self.moe(sc, &layer.moe, next, st)
                 })?;
             }
         }
-        self.rows_in_proj_layers.store(in_proj_x2 << 32 | gdn, Ordering::Relaxed);
+        self.rows_layers.store(done.pack(), Ordering::Relaxed);
         for (r, sc) in rs.rows.iter().enumerate() {
             g.dtod(hidden + (r * row) as u64, sc.x.ptr, row)?;
         }
@@ -325,6 +368,19 @@ impl CudaModel {
             g.download(&sc.moe.ids_host, 0, sc.moe.ids.ptr, bytes)?;
         }
         Ok(())
+    }
+
+    /// Whether MoE block `m`'s launches can each serve both rows of a pass (`_rows` kernels): every
+    /// expert resident, the shared expert riding in the routed experts' launches (nothing of the
+    /// block on the side stream or in a launch of its own), the tiled expert kernels, and the
+    /// router's matrices in one tiled launch.
+    fn moe_rows_fit(&self, sc: &Scratch, m: &crate::weights::Moe) -> bool {
+        let layout = &self.store.manifest.experts.layers[m.expert_slot];
+        let router = [&m.gate, &m.shared_expert_gate, &m.shared_gate_proj, &m.shared_up_proj];
+        sc.moe.map.is_some()
+            && self.shared_riding(sc, m).is_some()
+            && crate::weights::experts_tiled(layout, self.store.record_bytes(), self.expert_dims())
+            && router.iter().all(|l| l.cols == m.gate.cols && l.tiled_shmem().is_some())
     }
 
     /// Whether a GDN mixer's recurrence runs as one launch over both rows
@@ -378,5 +434,18 @@ impl CudaModel {
         let f = i32::try_from(rs.stride / 4).context("a verifying pass's scratch past 2^31 floats a row")?;
         args.extend([Arg::I32(2), Arg::I32(f), Arg::I32(f), Arg::I32(f), Arg::I32(f)]);
         self.gpu.launch("gdn_recurrent_rows", (c.linear_num_value_heads as u32, 1, 1), r.threads, r.shared, &args)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RowsLayers;
+
+    #[test]
+    fn rows_layers_pack_and_unpack_each_count_apart() {
+        let l = RowsLayers { gdn: 36, in_proj_x2: 35, moe: 48, moe_x2: 47 };
+        assert_eq!(RowsLayers::unpack(l.pack()), l);
+        let top = RowsLayers { gdn: u16::MAX, in_proj_x2: 0, moe: 1, moe_x2: u16::MAX };
+        assert_eq!(RowsLayers::unpack(top.pack()), top);
     }
 }
