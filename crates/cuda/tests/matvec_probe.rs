@@ -379,13 +379,23 @@ fn down_args(table: u64, act: u64, out: u64, dims: (usize, usize), lanes: usize,
 }
 
 /// The parameters of every kernel definition named `name` in the engine's CUDA source, counted
-/// from their signatures' commas (a name with the macros' `##B` is only ever defined).
+/// from their signatures' commas (a name with the macros' `##B` is only ever defined). A list that
+/// is one macro (`EXPERT_GATE_UP_ARGS`) counts that macro's parameters.
 fn kernel_params(name: &str) -> Vec<usize> {
     let src = cherenkov_cuda::compile::source();
+    let count = |list: &str| list.matches(',').count() + 1;
     src.match_indices(&format!("{name}("))
         .map(|(i, m)| {
             let rest = &src[i + m.len()..];
-            rest[..rest.find(')').expect("a closed parameter list")].matches(',').count() + 1
+            let list = rest[..rest.find(')').expect("a closed parameter list")].trim();
+            if !list.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+                return count(list);
+            }
+            let (at, _) = src.match_indices(&format!("#define {list}")).next().expect("the parameter list's macro");
+            // The macro's body: its lines up to the first that does not end in a backslash.
+            let body = src[at..].split_inclusive('\n').take_while(|l| l.trim_end().ends_with('\\')).collect::<String>();
+            let last = src[at + body.len()..].lines().next().unwrap_or("");
+            count(&(body + last)[format!("#define {list}").len()..])
         })
         .collect()
 }
