@@ -50,8 +50,8 @@ pub struct ServeArgs {
     pub prefix_cache: Option<String>,
     /// Speculative decoding: tokens the checkpoint's MTP head drafts per decode step (0: off; 1
     /// is the most supported), as `run --draft`; the same text, and /v1/stats reports the drafts
-    /// accepted. On CUDA no faster than plain decoding yet (the draft's row is its own step)
-    /// [default: 0].
+    /// accepted. On CUDA still slower than plain decoding (the pass that checks a draft costs
+    /// 1.7-1.9x a step) [default: 0].
     #[arg(long, value_name = "N")]
     pub draft: Option<usize>,
     #[command(flatten)]
