@@ -710,9 +710,8 @@ pub struct CudaModel {
     /// Whether the pass's MoE blocks launch once for both rows where they can
     /// ([`CudaModel::moe_rows_fit`]; `CHERENKOV_ROWS_MOE_APART=1`: once a row, a measurement).
     rows_moe: bool,
-    /// What the last captured pass launched over both rows, layer by layer (the checks name it):
-    /// [`rows::RowsLayers`] packed.
-    rows_layers: std::sync::atomic::AtomicU64,
+    /// What the last captured pass launched over both rows, layer by layer (the checks name it).
+    rows_layers: Mutex<rows::RowsLayers>,
     row_scratch: Mutex<Option<rows::RowScratch>>,
     rows_graphs: Mutex<Vec<(rows::RowsKey, Graph)>>,
     predicted: Mutex<Vec<Option<Vec<usize>>>>,
@@ -1088,7 +1087,7 @@ impl CudaModel {
             rows_fused: std::env::var_os("CHERENKOV_ROWS_APART").is_none(),
             rows_in_proj_x2: std::env::var_os("CHERENKOV_ROWS_IN_PROJ_APART").is_none(),
             rows_moe: std::env::var_os("CHERENKOV_ROWS_MOE_APART").is_none(),
-            rows_layers: std::sync::atomic::AtomicU64::new(0),
+            rows_layers: Mutex::new(rows::RowsLayers::default()),
             row_scratch: Mutex::new(None),
             rows_graphs: Mutex::new(Vec::new()),
             predicted,

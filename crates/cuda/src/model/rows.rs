@@ -87,20 +87,6 @@ pub struct RowsLayers {
     pub moe_x2: u16,
 }
 
-impl RowsLayers {
-    fn pack(self) -> u64 {
-        u64::from(self.gdn)
-            | u64::from(self.in_proj_x2) << 16
-            | u64::from(self.moe) << 32
-            | u64::from(self.moe_x2) << 48
-    }
-
-    fn unpack(v: u64) -> RowsLayers {
-        let at = |i: u32| (v >> (16 * i)) as u16;
-        RowsLayers { gdn: at(0), in_proj_x2: at(1), moe: at(2), moe_x2: at(3) }
-    }
-}
-
 /// What a captured pass depends on: as a step's graph (the session's buffers and their
 /// generation, the output, the depth), and where the rows' residuals and the record go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -233,7 +219,7 @@ impl CudaModel {
 
     /// What the last captured pass launched over both rows, layer by layer.
     pub fn rows_layers(&self) -> RowsLayers {
-        RowsLayers::unpack(self.rows_layers.load(Ordering::Relaxed))
+        *self.rows_layers.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Verifying forwards run as passes over their rows so far.
@@ -343,7 +329,7 @@ impl CudaModel {
                 })?;
             }
         }
-        self.rows_layers.store(done.pack(), Ordering::Relaxed);
+        *self.rows_layers.lock().unwrap_or_else(|e| e.into_inner()) = done;
         for (r, sc) in rs.rows.iter().enumerate() {
             g.dtod(hidden + (r * row) as u64, sc.x.ptr, row)?;
         }
@@ -434,18 +420,5 @@ impl CudaModel {
         let f = i32::try_from(rs.stride / 4).context("a verifying pass's scratch past 2^31 floats a row")?;
         args.extend([Arg::I32(2), Arg::I32(f), Arg::I32(f), Arg::I32(f), Arg::I32(f)]);
         self.gpu.launch("gdn_recurrent_rows", (c.linear_num_value_heads as u32, 1, 1), r.threads, r.shared, &args)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::RowsLayers;
-
-    #[test]
-    fn rows_layers_pack_and_unpack_each_count_apart() {
-        let l = RowsLayers { gdn: 36, in_proj_x2: 35, moe: 48, moe_x2: 47 };
-        assert_eq!(RowsLayers::unpack(l.pack()), l);
-        let top = RowsLayers { gdn: u16::MAX, in_proj_x2: 0, moe: 1, moe_x2: u16::MAX };
-        assert_eq!(RowsLayers::unpack(top.pack()), top);
     }
 }
