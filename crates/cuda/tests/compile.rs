@@ -68,6 +68,7 @@ const VARIANTS: &[&str] = &[
     "COMBINE_LATE",
     "EXPERT_DOWN_LATE",
     "GATE_UP_STAGE_LATE",
+    "GDN_ROWS_LATE",
     "GDN_TAIL_LATE",
     "HC_EARLY_RELEASE",
     "HC_NO_PRELOAD",

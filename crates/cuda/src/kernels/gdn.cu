@@ -46,6 +46,28 @@ __device__ __forceinline__ const float* gdn_stage_qk(const float* qkv, float* sh
     return qkv + (size_t)2 * nk * dk + (size_t)hv * dv;
 }
 
+// gdn_stage_qk where every value of q and k is already held by a thread (dk <= blockDim): thread i
+// below dk holds q[i] and k[i]. The same arithmetic in the same order.
+__device__ __forceinline__ void gdn_stage_qk_held(float qi, float ki, float* sh, int dk) {
+    __shared__ float scratch[32];
+    const int i = threadIdx.x;
+    float sq = 0.0f, sk = 0.0f;
+    if (i < dk) {
+        sh[i] = qi;
+        sh[dk + i] = ki;
+        sq += qi * qi;
+        sk += ki * ki;
+    }
+    sq = block_sum(sq, scratch);
+    sk = block_sum(sk, scratch);
+    const float iq = rsqrtf(sq + 1e-6f) * rsqrtf((float)dk), ik = rsqrtf(sk + 1e-6f);
+    if (i < dk) {
+        sh[i] *= iq;
+        sh[dk + i] *= ik;
+    }
+    __syncthreads();
+}
+
 // Gated RMSNorm of value head hv's output, in place, by the whole block (after a __syncthreads that
 // makes the head's outputs visible): o = w * (o / rms(o)) * act(z); act 0 = sigmoid, 1 = silu.
 __device__ __forceinline__ void gdn_gated_norm(float* o, const float* z, const float* w, int hv, int dv, float eps,
@@ -210,6 +232,14 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_split(const floa
 // stays in registers from row to row: after each row but the last it is written to
 // S_mid + t * nv * dk * dv (what a commit of t + 1 rows restores), after the last to S. Each row's
 // arithmetic is gdn_recurrent_split's, in the same order, so each row equals one launch of it.
+// Every row's inputs are written by the launch before this one, so the first GDN_ROWS_AHEAD rows'
+// are all requested once it has waited, before the first row's work: a later row no longer waits
+// a chain of round trips after the row before it (`GDN_ROWS_LATE`: each row's when it starts, as
+// before session 52). Only where dk <= blockDim (each thread holds at most one of q's and k's
+// values); rows past GDN_ROWS_AHEAD load theirs when they start.
+#ifndef GDN_ROWS_AHEAD
+#define GDN_ROWS_AHEAD 2
+#endif
 extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_rows(const float* qkv, const float* a, const float* b,
                                                const float* A_log, const float* dt_bias, float* S, float* S_mid,
                                                float* out, int nk, int nv, int dk, int dv, const float* z,
@@ -234,14 +264,50 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_rows(const float
     const float* sq = sh;
     const float* sk = sh + dk;
     float* part = sh + 2 * dk;
+    // Row t's inputs: this thread's value, the head's b and a, its gate, and (threads below dk) its
+    // q and k values.
+    const auto load = [&](int row, float& vj, float& bh, float& ah, float& zj, float& qi, float& ki) {
+        const float* x = qkv + (size_t)row * qkv_stride;
+        vj = x[(size_t)2 * nk * dk + (size_t)hv * dv + j];
+        bh = b[(size_t)row * ab_stride + hv];
+        ah = a[(size_t)row * ab_stride + hv];
+        zj = z[(size_t)row * z_stride + (size_t)hv * dv + j];
+        const int hk = hv / (nv / nk), i = threadIdx.x;
+        qi = i < dk ? x[(size_t)hk * dk + i] : 0.0f;
+        ki = i < dk ? x[(size_t)(nk + hk) * dk + i] : 0.0f;
+    };
+#ifdef GDN_ROWS_LATE
+    constexpr bool ahead = false;
+#else
+    const bool ahead = dk <= (int)blockDim.x;
+#endif
+    float in[GDN_ROWS_AHEAD][6];
+#pragma unroll
+    for (int t = 0; t < GDN_ROWS_AHEAD; t++) {
+        if (ahead && t < nrows) load(t, in[t][0], in[t][1], in[t][2], in[t][3], in[t][4], in[t][5]);
+    }
+#pragma unroll 1
     for (int row = 0; row < nrows; row++) {
         const float* x = qkv + (size_t)row * qkv_stride;
-        const float* vrow = x + (size_t)2 * nk * dk + (size_t)hv * dv;
-        const float vj = vrow[j], bh = b[(size_t)row * ab_stride + hv], ah = a[(size_t)row * ab_stride + hv];
-        const float zj = z[(size_t)row * z_stride + (size_t)hv * dv + j];
+        float vj, bh, ah, zj, qi, ki;
+        // (Each row's values out of the registers by a constant index: a runtime one would put
+        // `in` in local memory.)
+        bool held = false;
+#pragma unroll
+        for (int t = 0; t < GDN_ROWS_AHEAD; t++) {
+            if (ahead && row == t) {
+                vj = in[t][0], bh = in[t][1], ah = in[t][2], zj = in[t][3], qi = in[t][4], ki = in[t][5];
+                held = true;
+            }
+        }
+        if (!held) load(row, vj, bh, ah, zj, qi, ki);
         // The previous row's reads of q, k and the partial sums are done.
         __syncthreads();
-        gdn_stage_qk(x, sh, hv, nk, nv, dk, dv);
+        if (ahead) {
+            gdn_stage_qk_held(qi, ki, sh, dk);
+        } else {
+            gdn_stage_qk(x, sh, hv, nk, nv, dk, dv);
+        }
         const float beta = sigmoidf_(bh);
         const float decay = expf(-expf(a_log) * softplusf_(ah + dt));
         float kv = 0.0f;
