@@ -2,7 +2,7 @@
 # Alternating A/B rounds of `cherenkov bench --quick` on the GPU machine (carry the binaries as for
 # tools/gpu/bench.sh), one case at a time, so that builds or settings are compared on one host:
 #
-#   tools/gpu/ab.sh [-r ROUNDS] [-c resident|pinned] [-l LAYERS] NAME[:SETTINGS] ...
+#   tools/gpu/ab.sh [-r ROUNDS] [-c resident|pinned] [-l LAYERS] [-d P] NAME[:SETTINGS] ...
 #
 # Each variant is a name and, after a colon, space-separated VAR=value settings for its runs, for
 # example `new` `old:BIN=.carry/cherenkov-base` `late:CHERENKOV_KERNEL_DEFINES=HC_NO_PRELOAD,EXPERT_DOWN_LATE`
@@ -12,40 +12,58 @@
 # its rounds, so both arms should go first equally often: use an even ROUNDS). Prints each run's
 # tok/s at LAYERS (default 16) and each variant's mean, and writes the runs under $OUT (default
 # ab-out). Single runs spread by about 5% (benchmark/notes-cuda.md): read means over rounds, and a
-# kernel timeline (tools/gpu/timeline_kernels.py) for a kernel's own change.
+# kernel timeline (tools/gpu/timeline_kernels.py) for a kernel's own change. With -d P (resident
+# only) the runs also draft with the MTP head at the declared acceptance P (`bench --draft-accept`):
+# each run then prints plain decoding's tok/s, drafting's and the verifying pass's host ms, and
+# the means are drafting's, with plain decoding's beside them.
 set -euo pipefail
 ROUNDS=4
 CASE=resident
 LAYERS=16
-while getopts r:c:l: o; do
+DRAFT=""
+while getopts r:c:l:d: o; do
   case $o in
     r) ROUNDS=$OPTARG ;;
     c) CASE=$OPTARG ;;
     l) LAYERS=$OPTARG ;;
-    *) sed -n '2,15p' "$0"; exit 2 ;;
+    d) DRAFT=$OPTARG ;;
+    *) sed -n '2,19p' "$0"; exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
-[ $# -ge 1 ] || { sed -n '2,15p' "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,19p' "$0"; exit 2; }
 case $CASE in
   resident) knobs="CHERENKOV_BENCH_RESIDENT_ONLY=1"; row="all experts resident" ;;
   pinned) knobs="CHERENKOV_BENCH_PINNED_ONLY=1 CHERENKOV_BENCH_NO_ANATOMY=1"; row="21G budget, page cache warm, expert file pinned" ;;
   *) echo "ab.sh: -c takes resident or pinned, not $CASE" >&2; exit 2 ;;
 esac
+[ -z "$DRAFT" ] || [ "$CASE" = resident ] || { echo "ab.sh: -d drafts with every expert resident: use -c resident" >&2; exit 2; }
 OUTDIR=${OUT:-ab-out}
 mkdir -p "$OUTDIR"
 : > "$OUTDIR/rates.txt"
+: > "$OUTDIR/plain.txt"
 run() { # name settings dir
   local dir=$3
   mkdir -p "$dir"
   # shellcheck disable=SC2086 # the settings are words on purpose
-  if ! env $knobs $2 OUT="$dir" tools/gpu/bench.sh --quick --layers "$LAYERS" --tokens 128 --no-peer > "$dir/log.txt" 2>&1; then
+  if ! env $knobs $2 OUT="$dir" tools/gpu/bench.sh --quick --layers "$LAYERS" --tokens 128 --no-peer \
+    ${DRAFT:+--draft-accept "$DRAFT"} > "$dir/log.txt" 2>&1; then
     echo "ab.sh: variant $1 failed; its log: $dir/log.txt" >&2
     tail -5 "$dir/log.txt" >&2
     return 1
   fi
   # The first row of the case: the rates' table (later tables have rows of the same name).
-  grep -m1 "^| $row |" "$dir"/bench-*-quick.md | cut -d'|' -f3 | tr -d ' '
+  local plain
+  plain=$(grep -m1 "^| $row |" "$dir"/bench-*-quick.md | cut -d'|' -f3 | tr -d ' ')
+  if [ -z "$DRAFT" ]; then
+    echo "$plain"
+    return
+  fi
+  # Drafting: its row of the rates' table, and the pass's host ms from the log's per-pass line.
+  local drafted pass
+  drafted=$(grep -m1 "^| $row, drafting with the MTP head" "$dir"/bench-*-quick.md | cut -d'|' -f3 | tr -d ' ')
+  pass=$(grep -m1 -oE 'the verifying forward of two rows [0-9.]+' "$dir/log.txt" | grep -oE '[0-9.]+$' || true)
+  echo "$drafted $plain ${pass:-?}"
 }
 first=$1
 run "${first%%:*}" "$([ "${first#*:}" != "$first" ] && echo "${first#*:}")" "$OUTDIR/warm-up" > /dev/null
@@ -59,12 +77,25 @@ for r in $(seq "$ROUNDS"); do
     name=${v%%:*}
     settings=""
     [ "$name" != "$v" ] && settings=${v#*:}
-    tok=$(run "$name" "$settings" "$OUTDIR/$name-$r")
-    echo "round $r  $name  $tok tok/s ($CASE, $LAYERS layers)"
+    read -r tok plain pass <<< "$(run "$name" "$settings" "$OUTDIR/$name-$r")"
+    if [ -z "$DRAFT" ]; then
+      echo "round $r  $name  $tok tok/s ($CASE, $LAYERS layers)"
+    else
+      echo "round $r  $name  drafting $tok tok/s, plain $plain, the pass $pass ms (P = $DRAFT, $LAYERS layers)"
+      echo "$name $plain" >> "$OUTDIR/plain.txt"
+    fi
     echo "$name $tok" >> "$OUTDIR/rates.txt"
   done
 done
-awk '{s[$1] += $2; n[$1]++; if (!($1 in o)) o[$1] = NR} END {for (k in s) printf "%d %s\n", o[k], k}' "$OUTDIR/rates.txt" \
-  | sort -n | while read -r _ name; do
-    awk -v k="$name" '$1 == k {s += $2; n++; v = v " " $2} END {printf "%-12s mean %.1f over %d:%s\n", k, s / n, n, v}' "$OUTDIR/rates.txt"
-  done
+means() { # file label
+  awk '{s[$1] += $2; n[$1]++; if (!($1 in o)) o[$1] = NR} END {for (k in s) printf "%d %s\n", o[k], k}' "$1" \
+    | sort -n | while read -r _ name; do
+      awk -v k="$name" -v l="$2" '$1 == k {s += $2; n++; v = v " " $2} END {printf "%-12s %smean %.1f over %d:%s\n", k, l, s / n, n, v}' "$1"
+    done
+}
+if [ -z "$DRAFT" ]; then
+  means "$OUTDIR/rates.txt" ""
+else
+  means "$OUTDIR/rates.txt" "drafting "
+  means "$OUTDIR/plain.txt" "plain "
+fi
