@@ -14,7 +14,7 @@
 # ab-out). Single runs spread by about 5% (benchmark/notes-cuda.md): read means over rounds, and a
 # kernel timeline (tools/gpu/timeline_kernels.py) for a kernel's own change. With -d P (resident
 # only) the runs also draft with the MTP head at the declared acceptance P (`bench --draft-accept`):
-# each run then prints plain decoding's tok/s, drafting's and the verifying pass's host ms, and
+# each run then prints drafting's tok/s, plain decoding's and the verifying pass's host ms, and
 # the means are drafting's, with plain decoding's beside them.
 set -euo pipefail
 ROUNDS=4
@@ -27,11 +27,11 @@ while getopts r:c:l:d: o; do
     c) CASE=$OPTARG ;;
     l) LAYERS=$OPTARG ;;
     d) DRAFT=$OPTARG ;;
-    *) sed -n '2,19p' "$0"; exit 2 ;;
+    *) sed -n '2,18p' "$0"; exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
-[ $# -ge 1 ] || { sed -n '2,19p' "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,18p' "$0"; exit 2; }
 case $CASE in
   resident) knobs="CHERENKOV_BENCH_RESIDENT_ONLY=1"; row="all experts resident" ;;
   pinned) knobs="CHERENKOV_BENCH_PINNED_ONLY=1 CHERENKOV_BENCH_NO_ANATOMY=1"; row="21G budget, page cache warm, expert file pinned" ;;
