@@ -15,7 +15,7 @@
 # kernel timeline (tools/gpu/timeline_kernels.py) for a kernel's own change. With -d P (resident
 # only) the runs also draft with the MTP head at the declared acceptance P (`bench --draft-accept`):
 # each run then prints drafting's tok/s, plain decoding's and the verifying pass's host ms, and
-# the means are drafting's, with plain decoding's beside them.
+# the means are drafting's, then plain decoding's.
 set -euo pipefail
 ROUNDS=4
 CASE=resident
