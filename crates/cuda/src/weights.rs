@@ -919,9 +919,21 @@ fn norm_plans(gpu: &Gpu, parts: &[(&DevLinear, u64)], group: usize) -> Option<Ve
         .map(|(l, _)| {
             let Precision::Affine { bits, group_size } = l.precision else { return None };
             // At least one slice per group; doubling keeps the slices inside groups.
-            split_plan_from(gpu, l.rows, cols, bits, group_size, min_blocks, cols / group, 1.0)
+            let sp = split_plan_from(gpu, l.rows, cols, bits, group_size, min_blocks, cols / group, 1.0)?;
+            Some(match knob_lanes("CHERENKOV_NORM_LANES") {
+                Some(lanes) => {
+                    let lanes = lanes.min((cols / chunk_codes(bits) / sp.slices).next_power_of_two());
+                    SplitPlan { plan: TilePlan { lanes, ..sp.plan }, ..sp }
+                }
+                None => sp,
+            })
         })
         .collect()
+}
+
+/// Lanes a tile where a measurement knob sets them (8 to 256, a power of two).
+fn knob_lanes(name: &str) -> Option<usize> {
+    env_count(name).filter(|l| l.is_power_of_two() && (8..=MV_THREADS).contains(l))
 }
 
 /// Whether [`matvec_many_norm`] applies to these matrices with a norm over groups of `group`
@@ -1197,7 +1209,11 @@ pub fn hc_up_mix(
         return Ok(false);
     }
     // Tiles are columns of the output (one row of each stream); 2 blocks per multiprocessor.
-    let plan = tile_plan(gpu, h, up.cols / chunk_codes(bits), 1, 2, shmem);
+    let mut plan = tile_plan(gpu, h, up.cols / chunk_codes(bits), 1, 2, shmem);
+    if let Some(lanes) = knob_lanes("CHERENKOV_HC_UP_LANES") {
+        plan.lanes = lanes.min((up.cols / chunk_codes(bits)).next_power_of_two());
+        plan.blocks = h.div_ceil(plan.threads / plan.lanes);
+    }
     let [x2, xs, op] = input.args();
     let (stored, (xr, w, inv)) = match normed {
         Normed::Stored(n) => (n, (0, 0, 0)),
