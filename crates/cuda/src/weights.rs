@@ -539,6 +539,15 @@ pub fn rows_staging_bytes(cols: usize) -> usize {
     16 * (chunks * 7 + chunks.div_ceil(2))
 }
 
+/// Whether a verifying pass's hyper-connection reads launch each row's blocks as a step would
+/// (`CHERENKOV_ROWS_READ_FULL=1`, a measurement) instead of dividing one row's blocks among the
+/// rows.
+fn rows_read_full() -> bool {
+    use std::sync::OnceLock;
+    static FULL: OnceLock<bool> = OnceLock::new();
+    *FULL.get_or_init(|| std::env::var_os("CHERENKOV_ROWS_READ_FULL").is_some_and(|v| v != "0"))
+}
+
 /// Whether the tiled core's 32-bit offsets (`mv_load` in linear.cu) reach every 16-byte chunk and
 /// every group of a `rows` x `cols` matrix of a `bits`/`gs` format (both counts below 2^32).
 pub fn offsets_fit_u32(rows: usize, cols: usize, bits: u32, gs: usize) -> bool {
@@ -768,6 +777,7 @@ fn launch_many(
     // The parts that take their weights ahead (bit p: part p) and the shared memory they need.
     let ahead_ok = ahead && norm.is_none() && kernel == "matvec_many_48" && gpu.info.compute_capability.0 >= 9;
     let (mut ahead_parts, mut ahead_shmem, mut flat_grid) = (0u32, 0usize, 0usize);
+    let halve = gpu.rows().0 > 1 && norm.is_some() && pair.is_none() && !rows_read_full();
     for i in 0..MV_PARTS {
         match parts.get(i) {
             Some(&(lin, y)) => {
@@ -782,6 +792,11 @@ fn launch_many(
                 let per_sm_blocks = (SM_SHARED / (sp.shmem + 2048)).clamp(1, min_blocks);
                 let wave = many_wave(sms, per_sm_blocks, sp.share, spread);
                 let nb = tiles.div_ceil(threads / sp.plan.lanes).min(wave.div_ceil(sp.slices)).max(1);
+                // A verifying pass's rows through the folded norm's launch (`matvec_many_rows`):
+                // each row's blocks divided among the rows, the lanes a tile kept (a block takes its
+                // tiles in several passes), so the rows' grid holds what one row's does and each
+                // row's sums stay a step's.
+                let nb = if halve { nb.div_ceil(gpu.rows().0 as usize) } else { nb };
                 grid_x = grid_x.max(nb * sp.slices);
                 flat_grid += nb * sp.slices;
                 shmem = shmem.max(sp.shmem);
@@ -1236,7 +1251,9 @@ pub fn hc_up_mix(
     };
     // A verifying pass's rows (`Gpu::with_rows`): one launch serves them all.
     let (rows, stride) = gpu.rows();
-    let grid = (plan.blocks as u32 + u32::from(ij_out != 0), 1, rows);
+    // A pass's rows share one row's blocks (as `matvec_many_rows`' folded norm).
+    let blocks = if rows > 1 && !rows_read_full() { plan.blocks.div_ceil(rows as usize) } else { plan.blocks };
+    let grid = (blocks as u32 + u32::from(ij_out != 0), 1, rows);
     let mut args = vec![
         Arg::Ptr(up.data),
         Arg::Ptr(up.scales),
