@@ -548,6 +548,14 @@ fn rows_read_full() -> bool {
     *FULL.get_or_init(|| std::env::var_os("CHERENKOV_ROWS_READ_FULL").is_some_and(|v| v != "0"))
 }
 
+/// Whether a verifying pass's expert launches give each row a step's blocks
+/// (`CHERENKOV_ROWS_EXPERTS_FULL=1`, a measurement) instead of dividing one row's among the rows.
+fn rows_experts_full() -> bool {
+    use std::sync::OnceLock;
+    static FULL: OnceLock<bool> = OnceLock::new();
+    *FULL.get_or_init(|| std::env::var_os("CHERENKOV_ROWS_EXPERTS_FULL").is_some_and(|v| v != "0"))
+}
+
 /// Whether the tiled core's 32-bit offsets (`mv_load` in linear.cu) reach every 16-byte chunk and
 /// every group of a `rows` x `cols` matrix of a `bits`/`gs` format (both counts below 2^32).
 pub fn offsets_fit_u32(rows: usize, cols: usize, bits: u32, gs: usize) -> bool {
@@ -1495,15 +1503,22 @@ pub fn launch_experts(
             (blocks(h, r), 256, staged(down, inter), r)
         }
     };
-    // The tiled launches are spread out ([`spread_experts`]); the others stay as planned.
+    // A verifying pass's rows divide one row's blocks among them, the lanes a tile kept (a block
+    // takes its tiles in several grid-stride passes, each row's sums still a step's), so that the
+    // rows' grid holds what one row's does (`CHERENKOV_ROWS_EXPERTS_FULL=1`: each row a step's
+    // blocks, as before session 53).
+    let divided = rows > 1 && !rows_experts_full();
+    let (gb, db, layers) = if divided { (gb.div_ceil(rows), db.div_ceil(rows), rows as usize) } else { (gb, db, 1) };
+    // The tiled launches are spread out ([`spread_experts`]), where the rows' blocks are divided
+    // over the whole grid's blocks (every row's); the others stay as planned.
     let spread = |t: Option<(u32, usize)>, shmem: u32, working: usize| match t {
         Some((bits, _)) if spread_experts() => {
             spread_shmem(sms(g), shmem as usize, working, if bits == 2 { 2 } else { 3 }) as u32
         }
         _ => shmem,
     };
-    let gsh = spread(gate_up_tiled, gsh, gb as usize * ng);
-    let dsh = spread(tiled(down, inter), dsh, db as usize * nd);
+    let gsh = spread(gate_up_tiled, gsh, gb as usize * ng * layers);
+    let dsh = spread(tiled(down, inter), dsh, db as usize * nd * layers);
     let row_stride = (rows > 1).then_some(Arg::U64(rs));
     let sh = shared.unwrap_or(SharedDown { data: 0, scales: 0, biases: 0, group_size: 1, gate: 0, up: 0, out: 0 });
     let shg =
