@@ -54,14 +54,25 @@ run() { # name settings dir
   fi
   # The first row of the case: the rates' table (later tables have rows of the same name).
   local plain
-  plain=$(grep -m1 "^| $row |" "$dir"/bench-*-quick.md | cut -d'|' -f3 | tr -d ' ')
+  plain=$(grep -m1 "^| $row |" "$dir"/bench-*-quick.md | cut -d'|' -f3 | tr -d ' ' || true)
+  if [ -z "$plain" ]; then
+    echo "ab.sh: variant $1 wrote no row \"$row\"; its log: $dir/log.txt" >&2
+    return 1
+  fi
   if [ -z "$DRAFT" ]; then
     echo "$plain"
     return
   fi
   # Drafting: its row of the rates' table, and the pass's host ms from the log's per-pass line.
   local drafted pass
-  drafted=$(grep -m1 "^| $row, drafting with the MTP head" "$dir"/bench-*-quick.md | cut -d'|' -f3 | tr -d ' ')
+  # The report's sentence, not a table row: "<row>, drafting with the MTP head (acceptance P
+  # declared): R tok/s at ...".
+  drafted=$(grep -m1 -oE "^$row, drafting with the MTP head \(acceptance [0-9.]+ declared\): [0-9.]+ tok/s" \
+    "$dir"/bench-*-quick.md | grep -oE '[0-9.]+ tok/s$' | cut -d' ' -f1 || true)
+  if [ -z "$drafted" ]; then
+    echo "ab.sh: variant $1 wrote no drafting rate; its report: $(ls "$dir"/bench-*-quick.md)" >&2
+    return 1
+  fi
   pass=$(grep -m1 -oE 'the verifying forward of two rows [0-9.]+' "$dir/log.txt" | grep -oE '[0-9.]+$' || true)
   echo "$drafted $plain ${pass:-?}"
 }
@@ -77,7 +88,8 @@ for r in $(seq "$ROUNDS"); do
     name=${v%%:*}
     settings=""
     [ "$name" != "$v" ] && settings=${v#*:}
-    read -r tok plain pass <<< "$(run "$name" "$settings" "$OUTDIR/$name-$r")"
+    got=$(run "$name" "$settings" "$OUTDIR/$name-$r") || exit 1
+    read -r tok plain pass <<< "$got"
     if [ -z "$DRAFT" ]; then
       echo "round $r  $name  $tok tok/s ($CASE, $LAYERS layers)"
     else
