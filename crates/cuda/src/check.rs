@@ -1070,7 +1070,7 @@ pub fn block_checks(cuda: &CudaModel, cpu: &CpuModel, rng: &mut Rng, label: &str
                     g.htod(sc.inp.ptr, &hv)?;
                     cuda.load_step_inputs(&sc, 0, pos)?;
                     let out = MatvecOutput::Store(sc.out.ptr);
-                    cuda.attention(&mut sc, ga, dst, pos, out)?;
+                    cuda.attention(&mut sc, ga, dst, pos, out, true)?;
                     worst = worst.max(rel_err(&read(sc.out.ptr, h)?, &want));
                 }
                 push(format!("layer {i} QSA attention ({steps} tokens)"), worst, BLOCK_LIMIT);
@@ -1214,9 +1214,9 @@ pub fn verify_rows_checks(cuda: &CudaModel, rng: &mut Rng, label: &str) -> Resul
     let l = cuda.rows_layers();
     let how = if ran == 2 {
         format!(
-            "as one pass (input projections over both rows in one launch in {} of {} GDN layers, every launch of \
-             {} of {} MoE blocks over both rows)",
-            l.in_proj_x2, l.gdn, l.moe_x2, l.moe
+            "as one pass (input projections over both rows in one launch in {} of {} GDN layers and {} of {} \
+             attention layers, every launch of {} of {} MoE blocks over both rows)",
+            l.in_proj_x2, l.gdn, l.qkv_x2, l.attention, l.moe_x2, l.moe
         )
     } else {
         format!("(ran as one pass {ran} of 2 times)")

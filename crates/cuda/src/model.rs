@@ -710,6 +710,9 @@ pub struct CudaModel {
     /// Whether the pass's MoE blocks launch once for both rows where they can
     /// ([`CudaModel::moe_rows_fit`]; `CHERENKOV_ROWS_MOE_APART=1`: once a row, a measurement).
     rows_moe: bool,
+    /// Whether the pass's attention projections take both rows in each block
+    /// (`matvec_many_x2`; `CHERENKOV_ROWS_ATTN_APART=1`: once a row, a measurement).
+    rows_attn_x2: bool,
     /// What the last captured pass launched over both rows, layer by layer (the checks name it).
     rows_layers: Mutex<rows::RowsLayers>,
     row_scratch: Mutex<Option<rows::RowScratch>>,
@@ -1087,6 +1090,7 @@ impl CudaModel {
             rows_fused: std::env::var_os("CHERENKOV_ROWS_APART").is_none(),
             rows_in_proj_x2: std::env::var_os("CHERENKOV_ROWS_IN_PROJ_APART").is_none(),
             rows_moe: std::env::var_os("CHERENKOV_ROWS_MOE_APART").is_none(),
+            rows_attn_x2: std::env::var_os("CHERENKOV_ROWS_ATTN_APART").is_none(),
             rows_layers: Mutex::new(rows::RowsLayers::default()),
             row_scratch: Mutex::new(None),
             rows_graphs: Mutex::new(Vec::new()),
@@ -1613,7 +1617,7 @@ impl CudaModel {
             MatvecOutput::Inject { x: sc.x.ptr, inj: sc.inj.ptr, hc: self.config().hc_count, scratch: sc.out.ptr };
         match (&layer.mixer, &mut ls.mixer) {
             (Mixer::Gdn(gw), MixerState::Gdn { conv, recurrent }) => self.gdn(sc, gw, conv, recurrent, out),
-            (Mixer::Attention(aw), MixerState::Attention(a)) => self.attention(sc, aw, a, pos, out),
+            (Mixer::Attention(aw), MixerState::Attention(a)) => self.attention(sc, aw, a, pos, out, true),
             _ => unreachable!("session built for this model"),
         }
     }
@@ -2251,6 +2255,7 @@ impl CudaModel {
         st: &mut crate::session::AttentionState,
         pos: usize,
         out: MatvecOutput,
+        project: bool,
     ) -> Result<()> {
         let c = self.config().clone();
         let g = &*self.gpu;
@@ -2261,13 +2266,12 @@ impl CudaModel {
         let [qg, q, gate, k, v, _, iq] = &sc.big;
         let qsa = c.qsa.as_ref().zip(aw.indexer.as_ref());
         if fused_attn_prep() {
-            // The four projections of one input in one launch (the index queries and key into
-            // `iq`), then everything up to `attend` in one more (attn_prep in attention.cu).
-            let mut parts = vec![(&aw.q_proj, qg.ptr), (&aw.k_proj, k.ptr), (&aw.v_proj, v.ptr)];
-            if let Some((_, ix)) = qsa {
-                parts.push((&ix.index_qk_proj, iq.ptr));
+            // The four projections of one input in one launch (unless the caller queued them:
+            // `project` false), then everything up to `attend` in one more (attn_prep in
+            // attention.cu).
+            if project {
+                matvec_many(g, sc.inp.ptr, &self.attention_parts(sc, aw))?;
             }
-            matvec_many(g, sc.inp.ptr, &parts)?;
             let (ih, id, ratio, iqn, ikn) = match qsa {
                 Some((q, ix)) => (q.n_heads, q.head_dim, q.compress_ratio, ix.q_layernorm.ptr, ix.k_layernorm.ptr),
                 None => (0, 0, 1, 0, 0),
@@ -2409,6 +2413,22 @@ impl CudaModel {
             (true, true) => MatvecInput::Digits(attn.ptr, qg.ptr),
         };
         aw.o_proj.matvec_to(g, input, out)
+    }
+
+    /// An attention mixer's projections of its input as `attn_prep` takes them, with where each
+    /// goes in `sc`: the query and gate, the key, the value and (QSA) the index queries and key
+    /// into `iq`. Only where [`fused_attn_prep`].
+    pub(crate) fn attention_parts<'w>(
+        &self,
+        sc: &Scratch,
+        aw: &'w crate::weights::Attention,
+    ) -> Vec<(&'w crate::weights::DevLinear, u64)> {
+        let [qg, _, _, k, v, _, iq] = &sc.big;
+        let mut parts = vec![(&aw.q_proj, qg.ptr), (&aw.k_proj, k.ptr), (&aw.v_proj, v.ptr)];
+        if let (Some(_), Some(ix)) = (&self.config().qsa, &aw.indexer) {
+            parts.push((&ix.index_qk_proj, iq.ptr));
+        }
+        parts
     }
 
     /// What `attn_prep` does, as the separate launches it replaced (`CHERENKOV_NO_FUSED_ATTN_PREP=1`,

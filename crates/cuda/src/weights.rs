@@ -1147,6 +1147,24 @@ pub fn matvec_many_conv_x2(
     conv: FoldedConv,
     conv_mid: u64,
 ) -> Result<bool> {
+    many_x2(gpu, x, stride, parts, Some((conv, conv_mid)))
+}
+
+/// [`matvec_many`] over a verifying pass's two input rows in one launch whose blocks each serve
+/// both rows (`matvec_many_x2`, no conv): row 1 of x and of every part's output `stride` bytes past
+/// row 0's, each row's products the one-row launch's with its plans. Returns false, queueing
+/// nothing, where that launch does not apply (as [`matvec_many_conv_x2`]).
+pub fn matvec_many_x2(gpu: &Gpu, x: u64, stride: usize, parts: &[(&DevLinear, u64)]) -> Result<bool> {
+    many_x2(gpu, x, stride, parts, None)
+}
+
+fn many_x2(
+    gpu: &Gpu,
+    x: u64,
+    stride: usize,
+    parts: &[(&DevLinear, u64)],
+    conv: Option<(FoldedConv, u64)>,
+) -> Result<bool> {
     let Some(&(first, _)) = parts.first() else { return Ok(false) };
     if parts.len() < 2
         || parts.len() > MV_PARTS
@@ -1173,11 +1191,11 @@ pub fn matvec_many_conv_x2(
         }
         plans.push(plan);
     }
-    if !(conv.k > 0 && first.rows == conv.channels && fold_conv()) {
+    if conv.is_some_and(|(c, _)| !(c.k > 0 && first.rows == c.channels && fold_conv())) {
         return Ok(false);
     }
-    let pair = ManyPair { stride, conv_mid };
-    launch_many(gpu, MatvecInput::Plain(x), parts, &plans, None, Some(conv), 0, false, Some(pair))?;
+    let pair = ManyPair { stride, conv_mid: conv.map_or(0, |(_, mid)| mid) };
+    launch_many(gpu, MatvecInput::Plain(x), parts, &plans, None, conv.map(|(c, _)| c), 0, false, Some(pair))?;
     Ok(true)
 }
 

@@ -311,7 +311,7 @@ impl CudaModel {
         // The layer: attention and MoE, each read and injected through its hyper-connection.
         self.hc_read(sc, &layer.attn_hc)?;
         let out = MatvecOutput::Inject { x: sc.x.ptr, inj: sc.inj.ptr, hc, scratch: sc.out.ptr };
-        self.attention(sc, &layer.attention, &mut m.layers[0], m.pos, out)?;
+        self.attention(sc, &layer.attention, &mut m.layers[0], m.pos, out, true)?;
         self.hc_read(sc, &layer.mlp_hc)?;
         st.inject = true;
         self.moe(sc, &layer.moe, None, st)?;

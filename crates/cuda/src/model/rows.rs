@@ -81,6 +81,10 @@ pub struct RowsLayers {
     pub gdn: u16,
     /// Of those, the layers whose input projections took both rows in each block.
     pub in_proj_x2: u16,
+    /// Attention layers.
+    pub attention: u16,
+    /// Of those, the layers whose projections took both rows in each block.
+    pub qkv_x2: u16,
     /// MoE blocks.
     pub moe: u16,
     /// Of those, the blocks whose every launch served both rows.
@@ -295,6 +299,23 @@ impl CudaModel {
                         })?;
                     }
                 }
+                (Mixer::Attention(aw), MixerState::Attention(_), _) => {
+                    done.attention += 1;
+                    let both = self.attention_qkv_x2(rs, aw)?;
+                    done.qkv_x2 += u16::from(both);
+                    for r in 0..2 {
+                        let MixerState::Attention(a) = &mut s.layers[i].mixer else { unreachable!("matched") };
+                        on(rs, r, &mut |sc| {
+                            let out = MatvecOutput::Inject {
+                                x: sc.x.ptr,
+                                inj: sc.inj.ptr,
+                                hc: c.hc_count,
+                                scratch: sc.out.ptr,
+                            };
+                            self.attention(sc, aw, a, pos + r, out, !both)
+                        })?;
+                    }
+                }
                 _ => {
                     for r in 0..2 {
                         if r == 1 {
@@ -389,6 +410,19 @@ impl CudaModel {
             g.with_split_scratch(rs.split[r], || self.hc_read(&rs.rows[r], hcw))?;
         }
         Ok(())
+    }
+
+    /// Both rows' attention projections (query and gate, key, value, the QSA index's) in one
+    /// launch whose blocks serve both rows (`matvec_many_x2`), ahead of each row's `attn_prep`:
+    /// the rows' inputs are both read by now, and row 1's cache entry is written by its own
+    /// `attn_prep` after row 0's. Returns false, queueing nothing, where that launch does not apply
+    /// or `CHERENKOV_ROWS_ATTN_APART=1` (a measurement: each row projects its own).
+    fn attention_qkv_x2(&self, rs: &RowScratch, aw: &crate::weights::Attention) -> Result<bool> {
+        if !(self.rows_fused && self.rows_attn_x2 && super::fused_attn_prep()) {
+            return Ok(false);
+        }
+        let sc = &rs.rows[0];
+        crate::weights::matvec_many_x2(&self.gpu, sc.inp.ptr, rs.stride, &self.attention_parts(sc, aw))
     }
 
     /// Both rows' GDN input projections in one launch whose blocks serve both rows
