@@ -1604,6 +1604,11 @@ impl CudaModel {
         self.moe_head(sc, &layer.moe, next, anatomy_event, after)
     }
 
+    /// Where a mixer's output projection puts its rows: injected into the residual streams of `sc`.
+    pub(crate) fn mixer_out(&self, sc: &Scratch) -> MatvecOutput {
+        MatvecOutput::Inject { x: sc.x.ptr, inj: sc.inj.ptr, hc: self.config().hc_count, scratch: sc.out.ptr }
+    }
+
     /// A decoder layer's mixer (GDN or attention) at position `pos`, its input read into `inp`;
     /// its output projection injects its rows into the residual as it writes them.
     fn queue_mixer(
@@ -1613,8 +1618,7 @@ impl CudaModel {
         ls: &mut crate::session::LayerState,
         pos: usize,
     ) -> Result<()> {
-        let out =
-            MatvecOutput::Inject { x: sc.x.ptr, inj: sc.inj.ptr, hc: self.config().hc_count, scratch: sc.out.ptr };
+        let out = self.mixer_out(sc);
         match (&layer.mixer, &mut ls.mixer) {
             (Mixer::Gdn(gw), MixerState::Gdn { conv, recurrent }) => self.gdn(sc, gw, conv, recurrent, out),
             (Mixer::Attention(aw), MixerState::Attention(a)) => self.attention(sc, aw, a, pos, out, true),

@@ -29,9 +29,7 @@ use super::{CudaModel, MoeStep, Scratch, Want, cached_graph, radix_candidates, s
 use crate::gpu::Arg;
 use crate::gpu::{DevBuf, Gpu, SPLIT_SCRATCH_BYTES};
 use crate::session::{CudaSession, LayerStates, MixerState};
-use crate::weights::{
-    FoldedConv, GatedDeltaNet, HyperConnection, MatvecOutput, Mixer, RowsOutput, matvec_many_conv_x2,
-};
+use crate::weights::{FoldedConv, GatedDeltaNet, HyperConnection, Mixer, RowsOutput, matvec_many_conv_x2};
 
 /// Both rows' scratch in one zeroed allocation: row 1's every vector (and its split matvecs'
 /// scratch) `stride` bytes past row 0's.
@@ -289,13 +287,8 @@ impl CudaModel {
                     self.gdn_recurrence_rows(rs, gw, recurrent, mid)?;
                     for r in 0..2 {
                         on(rs, r, &mut |sc| {
-                            let out = MatvecOutput::Inject {
-                                x: sc.x.ptr,
-                                inj: sc.inj.ptr,
-                                hc: c.hc_count,
-                                scratch: sc.out.ptr,
-                            };
-                            gw.out_proj.matvec_to(g, self.gdn_out_input(sc, &self.gdn_recurrence(gw)), out)
+                            let input = self.gdn_out_input(sc, &self.gdn_recurrence(gw));
+                            gw.out_proj.matvec_to(g, input, self.mixer_out(sc))
                         })?;
                     }
                 }
@@ -305,15 +298,7 @@ impl CudaModel {
                     done.qkv_x2 += u16::from(both);
                     for r in 0..2 {
                         let MixerState::Attention(a) = &mut s.layers[i].mixer else { unreachable!("matched") };
-                        on(rs, r, &mut |sc| {
-                            let out = MatvecOutput::Inject {
-                                x: sc.x.ptr,
-                                inj: sc.inj.ptr,
-                                hc: c.hc_count,
-                                scratch: sc.out.ptr,
-                            };
-                            self.attention(sc, aw, a, pos + r, out, !both)
-                        })?;
+                        on(rs, r, &mut |sc| self.attention(sc, aw, a, pos + r, self.mixer_out(sc), !both))?;
                     }
                 }
                 _ => {
