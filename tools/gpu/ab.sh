@@ -39,6 +39,7 @@ case $CASE in
 esac
 [ -z "$DRAFT" ] || [ "$CASE" = resident ] || { echo "ab.sh: -d drafts with every expert resident: use -c resident" >&2; exit 2; }
 OUTDIR=${OUT:-ab-out}
+here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$OUTDIR"
 : > "$OUTDIR/rates.txt"
 : > "$OUTDIR/plain.txt"
@@ -46,7 +47,7 @@ run() { # name settings dir
   local dir=$3
   mkdir -p "$dir"
   # shellcheck disable=SC2086 # the settings are words on purpose
-  if ! env $knobs $2 OUT="$dir" tools/gpu/bench.sh --quick --layers "$LAYERS" --tokens 128 --no-peer \
+  if ! env $knobs $2 OUT="$dir" "$here/bench.sh" --quick --layers "$LAYERS" --tokens 128 --no-peer \
     ${DRAFT:+--draft-accept "$DRAFT"} > "$dir/log.txt" 2>&1; then
     echo "ab.sh: variant $1 failed; its log: $dir/log.txt" >&2
     tail -5 "$dir/log.txt" >&2

@@ -244,14 +244,6 @@ fn draft_flag(args: &BenchArgs) -> String {
 fn drafting_report(k: &Case, plain: &Case) -> String {
     let s = &k.draft_split;
     let per = |sum: f64, n: usize| if n == 0 { "-".to_string() } else { format!("{:.3}", 1e3 * sum / n as f64) };
-    let rate = format!(
-        "\n{}: {:.1} tok/s at {} layers against {:.1} without drafting ({:.2}x). The kept drafts are drawn at the declared rate, not judged by the head (random weights never draft the trunk's token): this times the drafting machinery, a draft and a verifying forward of two rows a step, at that acceptance.\n",
-        k.name,
-        k.tok_s,
-        k.depth,
-        plain.tok_s,
-        k.tok_s / plain.tok_s
-    );
     let split = format!(
         "Per pass ({} passes, {} drafts kept, {} verifying forwards as one pass over both rows), ms of host time: the draft {}, the verifying forward of two rows {}, the commit {} with the draft kept and {} without; a plain step {:.3}.\n",
         s.passes(),
@@ -263,7 +255,21 @@ fn drafting_report(k: &Case, plain: &Case) -> String {
         per(s.commit_dropped, s.dropped),
         1e3 / plain.tok_s
     );
-    rate + &split
+    drafting_rate(&k.name, k.tok_s, k.depth, plain.tok_s) + &split
+}
+
+/// The drafting case's name at a declared acceptance `p` (the first words of its report).
+fn drafting_case_name(p: f64) -> String {
+    format!("all experts resident, drafting with the MTP head (acceptance {p} declared)")
+}
+
+/// The drafting report's first sentence: the drafting case's rate against plain decoding's.
+/// `tools/gpu/ab.sh -d` reads the rate from it (the test below holds the two together).
+fn drafting_rate(name: &str, tok_s: f64, depth: usize, plain_tok_s: f64) -> String {
+    format!(
+        "\n{name}: {tok_s:.1} tok/s at {depth} layers against {plain_tok_s:.1} without drafting ({:.2}x). The kept drafts are drawn at the declared rate, not judged by the head (random weights never draft the trunk's token): this times the drafting machinery, a draft and a verifying forward of two rows a step, at that acceptance.\n",
+        tok_s / plain_tok_s
+    )
 }
 
 fn today() -> String {
@@ -723,10 +729,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     };
     // The drafting case: resident, full depth, its steps' timing kept out of the anatomy.
     let drafting = |p: f64| -> Result<Case> {
-        run_case(
-            &format!("all experts resident, drafting with the MTP head (acceptance {p} declared)"),
-            Spec { draft: Some(p), anatomy: false, ..resident },
-        )
+        run_case(&drafting_case_name(p), Spec { draft: Some(p), anatomy: false, ..resident })
     };
     let pinned = Spec { slots: streamed_slots, pin: true, ..resident };
     let g = &args.gpu_memory;
@@ -1106,6 +1109,46 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `tools/gpu/ab.sh -d` against a stand-in binary whose report has the real drafting sentence
+    /// (`drafting_rate`) and the rates table's row: the rates it prints are the report's. (Its
+    /// first version looked for a table row the report does not have and stopped silently.)
+    #[test]
+    fn ab_sh_reads_the_drafting_reports_rates() {
+        let dir = tempfile::tempdir().unwrap();
+        let report = format!(
+            "| case | tok/s |\n| --- | --- |\n| all experts resident | 1300.0 | 280.0 |\n{}Per pass (9 passes, 7 drafts kept, 9 verifying forwards as one pass over both rows), ms of host time: the draft 0.270, the verifying forward of two rows 1.250, the commit 0.150 with the draft kept and 0.040 without; a plain step 0.769.\n",
+            drafting_rate(&drafting_case_name(0.8), 1100.0, 8, 1300.0)
+        );
+        std::fs::write(dir.path().join("report.md"), &report).unwrap();
+        // The stand-in: writes the report where `bench --out DIR` would, and prints it.
+        let bin = dir.path().join("cherenkov");
+        std::fs::write(
+            &bin,
+            format!(
+                "#!/usr/bin/env bash\nwhile [ $# -gt 0 ]; do [ \"$1\" = --out ] && out=$2; shift; done\nmkdir -p \"$out\"\ncp {r} \"$out/bench-2026-01-01-quick.md\"\ncat {r}\n",
+                r = dir.path().join("report.md").display()
+            ),
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/gpu/ab.sh");
+        let out = std::process::Command::new("bash")
+            .arg(&script)
+            .args(["-l", "8", "-d", "0.8", "-r", "2", "new", "old:X=1"])
+            .env("BIN", &bin)
+            .env("OUT", dir.path().join("ab"))
+            .env("CHERENKOV_HOME", dir.path().join("home"))
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+        let runs = text.matches("drafting 1100.0 tok/s, plain 1300.0, the pass 1.250 ms (P = 0.8, 8 layers)").count();
+        assert_eq!(runs, 4, "{text}");
+        assert!(text.contains("new          drafting mean 1100.0 over 2"), "{text}");
+        assert!(text.contains("old          plain mean 1300.0 over 2"), "{text}");
+    }
 
     #[test]
     fn the_per_layer_extrapolation_recovers_a_linear_step() {

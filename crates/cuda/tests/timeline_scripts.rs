@@ -1,7 +1,8 @@
 //! The timeline analysis scripts (`tools/gpu/timeline_tails.py`, `timeline_sms.py`,
 //! `timeline_marks.py`, `timeline_phases.py`; `timeline_kernels.py` and `timeline_heads_tails.py` on
-//! launch tables) on records made up here, so that a change to the record format or the grouping
-//! shows before a device call does. Needs `python3` (CI has it).
+//! launch tables; `timeline.sh`, which runs the bench for them, with a stand-in binary) on records
+//! made up here, so that a change to the record format or the grouping shows before a device call
+//! does. Needs `python3` and `bash` (CI has them).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -169,6 +170,49 @@ fn the_kernels_script_splits_a_kernel_by_grid_and_predecessor() {
     assert_eq!(cols(&split, "b/320<a")[1..], ["1", "5.00", "5.50", "5.50"], "{split}");
     assert_eq!(cols(&split, "b/320<c")[1..], ["1", "3.00", "3.50", "3.50"], "{split}");
     assert_eq!(cols(&split, "a/10<-")[1], "1", "{split}");
+}
+
+/// `tools/gpu/timeline.sh` with a stand-in binary that writes [`launch_table`] for every step it is
+/// asked to time: a warm-up run, then one run a variant with its own settings, each step's table
+/// kept under the variant's name and summarised.
+#[test]
+fn the_timeline_runner_keeps_and_summarises_each_variants_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("table.tsv"), launch_table()).unwrap();
+    let bin = dir.path().join("cherenkov");
+    let seen = dir.path().join("seen.txt");
+    std::fs::write(
+        &bin,
+        format!(
+            "#!/usr/bin/env bash\necho \"X=${{X:-}}\" >> {seen}\nfor s in ${{CHERENKOV_TIMELINE_STEP//,/ }}; do cp {table} \"$CHERENKOV_TIMELINE-step$s.tsv\"; done\n",
+            seen = seen.display(),
+            table = dir.path().join("table.tsv").display()
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out_dir = dir.path().join("tl");
+    let out = Command::new("bash")
+        .arg(script("timeline.sh"))
+        .args(["-s", "1,2", "-g", "^b/", "new", "other:X=7"])
+        .env("BIN", &bin)
+        .env("OUT", &out_dir)
+        .env("CHERENKOV_HOME", dir.path().join("home"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    for (name, step) in [("new", 1), ("new", 2), ("other", 1), ("other", 2)] {
+        assert!(text.contains(&format!("== {name}, step {step}")), "{text}");
+        assert!(out_dir.join(format!("{name}-step{step}.tsv")).exists(), "{name} step {step}");
+    }
+    // Only the lines asked for, and each step's length.
+    assert_eq!(text.matches("b/320<a ").count(), 4, "{text}");
+    assert_eq!(text.matches("step 13.5 us").count(), 4, "{text}");
+    assert!(!text.contains("a/10<-"), "{text}");
+    // The warm-up and `new` without settings, `other` with its own.
+    assert_eq!(std::fs::read_to_string(&seen).unwrap(), "X=\nX=\nX=7\n");
 }
 
 /// A streamed step's launch table of two MoE blocks: each a head kernel, the block's router, the
