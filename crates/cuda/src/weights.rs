@@ -1526,7 +1526,8 @@ pub fn launch_experts(
     // rows' grid holds what one row's does (`CHERENKOV_ROWS_EXPERTS_FULL=1`: each row a step's
     // blocks, as before session 53).
     let divided = rows > 1 && !rows_experts_full();
-    let (gb, db, layers) = if divided { (gb.div_ceil(rows), db.div_ceil(rows), rows as usize) } else { (gb, db, 1) };
+    // `grids`: the row grids whose blocks the spread counts (divided: every row's; undivided: one, as before).
+    let (gb, db, grids) = if divided { (gb.div_ceil(rows), db.div_ceil(rows), rows as usize) } else { (gb, db, 1) };
     // The tiled launches are spread out ([`spread_experts`]), where the rows' blocks are divided
     // over the whole grid's blocks (every row's); the others stay as planned.
     let spread = |t: Option<(u32, usize)>, shmem: u32, working: usize| match t {
@@ -1535,8 +1536,8 @@ pub fn launch_experts(
         }
         _ => shmem,
     };
-    let gsh = spread(gate_up_tiled, gsh, gb as usize * ng * layers);
-    let dsh = spread(tiled(down, inter), dsh, db as usize * nd * layers);
+    let gsh = spread(gate_up_tiled, gsh, gb as usize * ng * grids);
+    let dsh = spread(tiled(down, inter), dsh, db as usize * nd * grids);
     let row_stride = (rows > 1).then_some(Arg::U64(rs));
     let sh = shared.unwrap_or(SharedDown { data: 0, scales: 0, biases: 0, group_size: 1, gate: 0, up: 0, out: 0 });
     let shg =
