@@ -1235,10 +1235,18 @@ pub fn verify_rows_checks(cuda: &CudaModel, rng: &mut Rng, label: &str) -> Resul
     ])
 }
 
-/// `gdn_recurrent_rows` over two rows against two launches of `gdn_recurrent_split`, on random
-/// inputs of the released shape (16 key heads, 32 value heads of 128 x 128): each row's output,
-/// the state after the first row and after the second, as fractions of values not identical.
+/// `gdn_recurrent_rows` over two rows, and over three, against as many launches of
+/// `gdn_recurrent_split`, on random inputs of the released shape (16 key heads, 32 value heads of
+/// 128 x 128): each row's output and the state after each row, as fractions of values not
+/// identical. (A pass launches two rows, both held ahead; the third is one the kernel takes as it
+/// comes.)
 pub fn gdn_rows_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
+    let mut rows = gdn_rows_check(gpu, rng, 2)?;
+    rows.extend(gdn_rows_check(gpu, rng, 3)?);
+    Ok(rows)
+}
+
+fn gdn_rows_check(gpu: &Gpu, rng: &mut Rng, n: usize) -> Result<Vec<CheckRow>> {
     let (nk, nv, dk, dv) = (16usize, 32usize, 128usize, 128usize);
     let (width, heads, state) = (2 * nk * dk + nv * dv, nv * dv, nv * dk * dv);
     let upload = |v: &[f32], what: &str| -> Result<crate::gpu::DevBuf> {
@@ -1246,10 +1254,10 @@ pub fn gdn_rows_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
         gpu.htod(b.ptr, v)?;
         Ok(b)
     };
-    let qkv = upload(&rng.normal(2 * width, 1.0), "check input")?;
-    let a = upload(&rng.normal(2 * nv, 1.0), "check input")?;
-    let b = upload(&rng.normal(2 * nv, 1.0), "check input")?;
-    let z = upload(&rng.normal(2 * heads, 1.0), "check input")?;
+    let qkv = upload(&rng.normal(n * width, 1.0), "check input")?;
+    let a = upload(&rng.normal(n * nv, 1.0), "check input")?;
+    let b = upload(&rng.normal(n * nv, 1.0), "check input")?;
+    let z = upload(&rng.normal(n * heads, 1.0), "check input")?;
     let a_log = upload(&rng.normal(nv, 0.5), "check input")?;
     let dt_bias = upload(&rng.normal(nv, 0.5), "check input")?;
     let norm_w = upload(&rng.normal(dv, 1.0), "check input")?;
@@ -1276,11 +1284,11 @@ pub fn gdn_rows_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
             Arg::Ptr(0),
         ]
     };
-    // Two launches of the one-row kernel, the state read back after each.
+    // One launch of the one-row kernel a row, the state read back after each.
     let s = upload(&s0, "check state")?;
-    let out = gpu.zeros(2 * heads * 4, "check output")?;
+    let out = gpu.zeros(n * heads * 4, "check output")?;
     let mut want_states = Vec::new();
-    for row in 0..2u64 {
+    for row in 0..n as u64 {
         let f = 4 * row;
         gpu.launch(
             "gdn_recurrent_split",
@@ -1300,16 +1308,23 @@ pub fn gdn_rows_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
         gpu.dtoh(s.ptr, &mut st)?;
         want_states.push(st);
     }
-    let mut want_out = vec![0f32; 2 * heads];
+    let mut want_out = vec![0f32; n * heads];
     gpu.dtoh(out.ptr, &mut want_out)?;
-    // One launch over both rows.
+    // One launch over every row.
     let s2 = upload(&s0, "check state")?;
-    let mid = gpu.zeros(state * 4, "check state")?;
-    let out2 = gpu.zeros(2 * heads * 4, "check output")?;
+    let mid = gpu.zeros((n - 1) * state * 4, "check state")?;
+    let out2 = gpu.zeros(n * heads * 4, "check output")?;
     let mut rows_args = args(qkv.ptr, a.ptr, b.ptr, s2.ptr, out2.ptr, z.ptr);
     rows_args.insert(6, Arg::Ptr(mid.ptr));
-    rows_args.extend([Arg::I32(2), Arg::I32(width as i32), Arg::I32(nv as i32), Arg::I32(heads as i32), Arg::I32(0)]);
-    gpu.launch("gdn_recurrent_rows", (nv as u32, 1, 1), threads, shared, &rows_args)?;
+    rows_args.extend([
+        Arg::I32(n as i32),
+        Arg::I32(width as i32),
+        Arg::I32(nv as i32),
+        Arg::I32(heads as i32),
+        Arg::I32(0),
+    ]);
+    let rows_shared = crate::model::CudaModel::gdn_rows_shared(shared, dk);
+    gpu.launch("gdn_recurrent_rows", (nv as u32, 1, 1), threads, rows_shared, &rows_args)?;
     let read = |p: u64, n: usize| -> Result<Vec<f32>> {
         let mut v = vec![0f32; n];
         gpu.dtoh(p, &mut v)?;
@@ -1318,18 +1333,22 @@ pub fn gdn_rows_checks(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<CheckRow>> {
     let differ = |got: &[f32], want: &[f32]| {
         got.iter().zip(want).filter(|(g, w)| g.to_bits() != w.to_bits()).count() as f64 / want.len().max(1) as f64
     };
-    let got_out = read(out2.ptr, 2 * heads)?;
-    let row = |name: &str, rel_err: f64| CheckRow {
-        name: format!("gdn_recurrent_rows over 2 rows against 2 launches, {name} (fraction not identical)"),
+    let got_out = read(out2.ptr, n * heads)?;
+    let got_mid = read(mid.ptr, (n - 1) * state)?;
+    let got_last = read(s2.ptr, state)?;
+    let row = |name: String, rel_err: f64| CheckRow {
+        name: format!("gdn_recurrent_rows over {n} rows against {n} launches, {name} (fraction not identical)"),
         rel_err,
         limit: 0.0,
     };
-    Ok(vec![
-        row("row 0 output", differ(&got_out[..heads], &want_out[..heads])),
-        row("row 1 output", differ(&got_out[heads..], &want_out[heads..])),
-        row("state after row 0", differ(&read(mid.ptr, state)?, &want_states[0])),
-        row("state after row 1", differ(&read(s2.ptr, state)?, &want_states[1])),
-    ])
+    let mut rows = Vec::new();
+    for t in 0..n {
+        let o = t * heads..(t + 1) * heads;
+        rows.push(row(format!("row {t} output"), differ(&got_out[o.clone()], &want_out[o])));
+        let got = if t + 1 < n { &got_mid[t * state..(t + 1) * state] } else { &got_last[..] };
+        rows.push(row(format!("state after row {t}"), differ(got, &want_states[t])));
+    }
+    Ok(rows)
 }
 
 /// Drafting with the MTP head against the CPU backend, where the store has a head: the logits of

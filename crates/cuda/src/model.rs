@@ -94,6 +94,10 @@ fn fused_attn_prep() -> bool {
     *FUSED.get_or_init(|| std::env::var_os("CHERENKOV_NO_FUSED_ATTN_PREP").is_none())
 }
 
+/// Rows whose inputs `gdn_recurrent_rows` loads, and whose q and k it stages, before its first
+/// row's work (gdn.cu's GDN_ROWS_AHEAD; it sizes the kernel's shared memory).
+pub(crate) const GDN_ROWS_AHEAD: usize = 2;
+
 /// `attend`'s token splits per head (attention.cu; at most 32, one lane each in the merge).
 const ATTEND_SPLITS: usize = 32;
 /// Logits per block of `top_candidates_part`, the most candidates it picks, and the most keys
@@ -2110,6 +2114,12 @@ impl CudaModel {
         };
         let image = self.gdn_digits && split && dv.is_multiple_of(32) && gw.out_proj.stages_digits();
         GdnRecurrence { kernel, threads: threads as u32, shared: (shared * 4) as u32, split, image }
+    }
+
+    /// `gdn_recurrent_rows`' shared memory for a key head width `dk`, given the split kernel's
+    /// (`split_shared` bytes): the q and k of [`GDN_ROWS_AHEAD`] rows instead of one.
+    pub(crate) fn gdn_rows_shared(split_shared: u32, dk: usize) -> u32 {
+        split_shared + (2 * dk * (GDN_ROWS_AHEAD - 1) * 4) as u32
     }
 
     /// The recurrence kernels' leading arguments, from the conv's output through the gated

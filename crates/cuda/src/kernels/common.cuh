@@ -238,6 +238,37 @@ __device__ float block_sum(float v, float* scratch) {
     return r;
 }
 
+// block_sum of N values at once: each value's sum is block_sum's, in the same order (its warps'
+// sums, then warp 0's sum of those), over one set of barriers for all N. `scratch` holds 32 N
+// floats.
+template <int N>
+__device__ __forceinline__ void block_sum_n(float (&v)[N], float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int k = 0; k < N; k++) v[k] = warp_sum(v[k]);
+    __syncthreads();
+    if (lane == 0) {
+#pragma unroll
+        for (int k = 0; k < N; k++) scratch[k * 32 + warp] = v[k];
+    }
+    __syncthreads();
+    const int nw = (blockDim.x + 31) >> 5;
+#pragma unroll
+    for (int k = 0; k < N; k++) {
+        float x = (threadIdx.x < nw) ? scratch[k * 32 + threadIdx.x] : 0.0f;
+        if (warp == 0) x = warp_sum(x);
+        v[k] = x;
+    }
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int k = 0; k < N; k++) scratch[k * 32] = v[k];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < N; k++) v[k] = scratch[k * 32];
+    __syncthreads();
+}
+
 // Code j of a packed affine row (LSB-first bit stream of u32 words), any width.
 __device__ __forceinline__ u32 get_code(const u32* w, int j, int bits) {
     const int bit = j * bits, wi = bit >> 5, sh = bit & 31;

@@ -23,7 +23,7 @@ extern "C" __global__ void gdn_conv(const float* x, float* state, const float* w
 // itself, which is cheaper than a launch), and returns the head's v. `qkv` is the conv output
 // [q (nk*dk) | k (nk*dk) | v].
 __device__ __forceinline__ const float* gdn_stage_qk(const float* qkv, float* sh, int hv, int nk, int nv, int dk, int dv) {
-    __shared__ float scratch[32];
+    __shared__ float scratch[64];
     const int hk = hv / (nv / nk);
     const float* q = qkv + (size_t)hk * dk;
     const float* k = qkv + (size_t)(nk + hk) * dk;
@@ -35,9 +35,10 @@ __device__ __forceinline__ const float* gdn_stage_qk(const float* qkv, float* sh
         sq += a * a;
         sk += b * b;
     }
-    sq = block_sum(sq, scratch);
-    sk = block_sum(sk, scratch);
-    const float iq = rsqrtf(sq + 1e-6f) * rsqrtf((float)dk), ik = rsqrtf(sk + 1e-6f);
+    // Both norms' sums over one set of barriers (block_sum_n: each block_sum's, bit for bit).
+    float sums[2] = {sq, sk};
+    block_sum_n<2>(sums, scratch);
+    const float iq = rsqrtf(sums[0] + 1e-6f) * rsqrtf((float)dk), ik = rsqrtf(sums[1] + 1e-6f);
     for (int i = threadIdx.x; i < dk; i += blockDim.x) {
         sh[i] *= iq;
         sh[dk + i] *= ik;
@@ -46,24 +47,32 @@ __device__ __forceinline__ const float* gdn_stage_qk(const float* qkv, float* sh
     return qkv + (size_t)2 * nk * dk + (size_t)hv * dv;
 }
 
-// gdn_stage_qk where every value of q and k is already held by a thread (dk <= blockDim): thread i
-// below dk holds q[i] and k[i]. The same arithmetic in the same order.
-__device__ __forceinline__ void gdn_stage_qk_held(float qi, float ki, float* sh, int dk) {
-    __shared__ float scratch[32];
+// gdn_stage_qk for R rows whose every value of q and k is already held by a thread (dk <= blockDim):
+// thread i below dk holds row t's q[i] and k[i] in qi[t] and ki[t], staged at sh + 2 t dk. Each row's
+// arithmetic is gdn_stage_qk's, in the same order; the rows' 2 R sums share one set of barriers.
+template <int R>
+__device__ __forceinline__ void gdn_stage_qk_held(const float (&qi)[R], const float (&ki)[R], float* sh, int dk) {
+    __shared__ float scratch[64 * R];
     const int i = threadIdx.x;
-    float sq = 0.0f, sk = 0.0f;
-    if (i < dk) {
-        sh[i] = qi;
-        sh[dk + i] = ki;
-        sq += qi * qi;
-        sk += ki * ki;
+    float sums[2 * R];
+#pragma unroll
+    for (int t = 0; t < R; t++) {
+        sums[2 * t] = 0.0f, sums[2 * t + 1] = 0.0f;
+        if (i < dk) {
+            sh[2 * t * dk + i] = qi[t];
+            sh[2 * t * dk + dk + i] = ki[t];
+            sums[2 * t] += qi[t] * qi[t];
+            sums[2 * t + 1] += ki[t] * ki[t];
+        }
     }
-    sq = block_sum(sq, scratch);
-    sk = block_sum(sk, scratch);
-    const float iq = rsqrtf(sq + 1e-6f) * rsqrtf((float)dk), ik = rsqrtf(sk + 1e-6f);
-    if (i < dk) {
-        sh[i] *= iq;
-        sh[dk + i] *= ik;
+    block_sum_n<2 * R>(sums, scratch);
+#pragma unroll
+    for (int t = 0; t < R; t++) {
+        const float iq = rsqrtf(sums[2 * t] + 1e-6f) * rsqrtf((float)dk), ik = rsqrtf(sums[2 * t + 1] + 1e-6f);
+        if (i < dk) {
+            sh[2 * t * dk + i] *= iq;
+            sh[2 * t * dk + dk + i] *= ik;
+        }
     }
     __syncthreads();
 }
@@ -235,11 +244,14 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_split(const floa
 // Every row's inputs are written by the launch before this one, so the first GDN_ROWS_AHEAD rows'
 // are all requested once it has waited, before the first row's work: a later row no longer waits
 // a chain of round trips after the row before it (`GDN_ROWS_LATE`: each row's when it starts, as
-// before session 52). Only where dk <= blockDim (each thread holds at most one of q's and k's
-// values); rows past GDN_ROWS_AHEAD load theirs when they start.
-#ifndef GDN_ROWS_AHEAD
+// before session 52). Those rows' q and k are also normalised together before the first row's
+// work (their sums over one set of barriers), and their outputs' gated norms wait for the last of
+// them and share one set too: of a row's barrier chain only the state's own steps stay in line
+// (session 54). Only where dk <= blockDim (each thread holds at most one of q's and k's values);
+// rows past GDN_ROWS_AHEAD load, stage and norm theirs when they start. Shared memory: q and k of
+// GDN_ROWS_AHEAD rows (2 dk floats each), then the partial sums (GDN_SPLIT dv floats): the host's
+// `gdn_rows_shared`.
 #define GDN_ROWS_AHEAD 2
-#endif
 extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_rows(const float* qkv, const float* a, const float* b,
                                                const float* A_log, const float* dt_bias, float* S, float* S_mid,
                                                float* out, int nk, int nv, int dk, int dv, const float* z,
@@ -247,7 +259,7 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_rows(const float
                                                int qkv_stride, int ab_stride, int z_stride, int digits_stride) {
     KSPAN;
     extern __shared__ float sh[];
-    __shared__ float nscratch[32];
+    __shared__ float nscratch[32 * GDN_ROWS_AHEAD];
     const int hv = blockIdx.x;
     const int j = threadIdx.x % dv, r = threadIdx.x / dv;
     const int rows = dk / GDN_SPLIT, i0 = r * rows;
@@ -261,9 +273,7 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_rows(const float
     const float a_log = A_log[hv], dt = dt_bias[hv];
     const float wj = norm_w[j];
     grid_enter();
-    const float* sq = sh;
-    const float* sk = sh + dk;
-    float* part = sh + 2 * dk;
+    float* part = sh + 2 * dk * GDN_ROWS_AHEAD;
     // Row t's inputs: this thread's value, the head's b and a, its gate, and (threads below dk) its
     // q and k values.
     const auto load = [&](int row, float& vj, float& bh, float& ah, float& zj, float& qi, float& ki) {
@@ -276,38 +286,53 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_rows(const float
         qi = i < dk ? x[(size_t)hk * dk + i] : 0.0f;
         ki = i < dk ? x[(size_t)(nk + hk) * dk + i] : 0.0f;
     };
+    // A row's output: the gated norm of its y (threads r == 0) given its sum of squares.
+    const auto put = [&](int row, float y, float zj, float ss) {
+        const float inv = rsqrtf(ss / (float)dv + eps);
+        const float gate = act == 0 ? sigmoidf_(zj) : siluf_(zj);
+        const float o = wj * (y * inv) * gate;
+        out[(size_t)row * z_stride + (size_t)hv * dv + j] = o;
+        if (digits) mvd_put_chunk(digits + (size_t)row * digits_stride, nv * dv / 32, (hv * dv + j) / 32, o);
+    };
 #ifdef GDN_ROWS_LATE
     constexpr bool ahead = false;
 #else
     const bool ahead = dk <= (int)blockDim.x;
 #endif
+    // The rows held ahead, and their outputs until the last of them (threads r == 0).
+    const int held_rows = ahead ? min(nrows, GDN_ROWS_AHEAD) : 0;
     float in[GDN_ROWS_AHEAD][6];
+    float yh[GDN_ROWS_AHEAD], zh[GDN_ROWS_AHEAD];
 #pragma unroll
     for (int t = 0; t < GDN_ROWS_AHEAD; t++) {
-        if (ahead && t < nrows) load(t, in[t][0], in[t][1], in[t][2], in[t][3], in[t][4], in[t][5]);
+        yh[t] = 0.0f, zh[t] = 0.0f;
+        for (int k = 0; k < 6; k++) in[t][k] = 0.0f;
+        if (t < held_rows) load(t, in[t][0], in[t][1], in[t][2], in[t][3], in[t][4], in[t][5]);
+    }
+    if (held_rows > 0) {
+        float qs[GDN_ROWS_AHEAD], ks[GDN_ROWS_AHEAD];
+#pragma unroll
+        for (int t = 0; t < GDN_ROWS_AHEAD; t++) qs[t] = in[t][4], ks[t] = in[t][5];
+        gdn_stage_qk_held<GDN_ROWS_AHEAD>(qs, ks, sh, dk);
     }
 #pragma unroll 1
     for (int row = 0; row < nrows; row++) {
         const float* x = qkv + (size_t)row * qkv_stride;
-        float vj, bh, ah, zj, qi, ki;
+        float vj = 0.0f, bh = 0.0f, ah = 0.0f, zj = 0.0f, qi, ki;
         // (Each row's values out of the registers by a constant index: a runtime one would put
         // `in` in local memory.)
-        bool held = false;
+        const bool held = row < held_rows;
 #pragma unroll
         for (int t = 0; t < GDN_ROWS_AHEAD; t++) {
-            if (ahead && row == t) {
-                vj = in[t][0], bh = in[t][1], ah = in[t][2], zj = in[t][3], qi = in[t][4], ki = in[t][5];
-                held = true;
-            }
+            if (held && row == t) vj = in[t][0], bh = in[t][1], ah = in[t][2], zj = in[t][3];
         }
         if (!held) load(row, vj, bh, ah, zj, qi, ki);
         // The previous row's reads of q, k and the partial sums are done.
         __syncthreads();
-        if (ahead) {
-            gdn_stage_qk_held(qi, ki, sh, dk);
-        } else {
-            gdn_stage_qk(x, sh, hv, nk, nv, dk, dv);
-        }
+        // A held row's q and k were staged at its slot; a later row stages its own at the first.
+        const float* sq = held ? sh + 2 * dk * row : sh;
+        if (!held) gdn_stage_qk(x, sh, hv, nk, nv, dk, dv);
+        const float* sk = sq + dk;
         const float beta = sigmoidf_(bh);
         const float decay = expf(-expf(a_log) * softplusf_(ah + dt));
         float kv = 0.0f;
@@ -344,13 +369,28 @@ extern "C" __global__ void __launch_bounds__(512) gdn_recurrent_rows(const float
             y = 0.0f;
             for (int p = 0; p < GDN_SPLIT; p++) y += part[p * dv + j];
         }
-        const float ss = block_sum(r == 0 ? y * y : 0.0f, nscratch);
-        if (r == 0) {
-            const float inv = rsqrtf(ss / (float)dv + eps);
-            const float gate = act == 0 ? sigmoidf_(zj) : siluf_(zj);
-            const float o = wj * (y * inv) * gate;
-            out[(size_t)row * z_stride + (size_t)hv * dv + j] = o;
-            if (digits) mvd_put_chunk(digits + (size_t)row * digits_stride, nv * dv / 32, (hv * dv + j) / 32, o);
+        if (held) {
+            // Kept until the last held row: then their norms' sums together (block_sum_n, each
+            // block_sum's), and their outputs.
+#pragma unroll
+            for (int t = 0; t < GDN_ROWS_AHEAD; t++) {
+                if (row == t) yh[t] = y, zh[t] = zj;
+            }
+            if (row + 1 == held_rows) {
+                float ss[GDN_ROWS_AHEAD];
+#pragma unroll
+                for (int t = 0; t < GDN_ROWS_AHEAD; t++) ss[t] = r == 0 && t < held_rows ? yh[t] * yh[t] : 0.0f;
+                block_sum_n<GDN_ROWS_AHEAD>(ss, nscratch);
+                if (r == 0) {
+#pragma unroll
+                    for (int t = 0; t < GDN_ROWS_AHEAD; t++) {
+                        if (t < held_rows) put(t, yh[t], zh[t], ss[t]);
+                    }
+                }
+            }
+        } else {
+            const float ss = block_sum(r == 0 ? y * y : 0.0f, nscratch);
+            if (r == 0) put(row, y, zj, ss);
         }
     }
 #pragma unroll

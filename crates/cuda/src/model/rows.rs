@@ -438,6 +438,7 @@ impl CudaModel {
         // Row 1's vectors one stride past row 0's (floats, and words of the image).
         let f = i32::try_from(rs.stride / 4).context("a verifying pass's scratch past 2^31 floats a row")?;
         args.extend([Arg::I32(2), Arg::I32(f), Arg::I32(f), Arg::I32(f), Arg::I32(f)]);
-        self.gpu.launch("gdn_recurrent_rows", (c.linear_num_value_heads as u32, 1, 1), r.threads, r.shared, &args)
+        let shared = Self::gdn_rows_shared(r.shared, c.linear_key_head_dim);
+        self.gpu.launch("gdn_recurrent_rows", (c.linear_num_value_heads as u32, 1, 1), r.threads, shared, &args)
     }
 }
