@@ -3880,6 +3880,15 @@ mod tests {
     use cherenkov_model::store::Span;
 
     #[test]
+    fn the_rows_recurrence_shares_its_rows_ahead_with_gdn_cu() {
+        // gdn_rows_shared sizes the kernel's shared memory from the host's count; a kernel that
+        // stages more rows than that would write past it.
+        let gdn = crate::compile::SOURCES.iter().find(|(n, _)| *n == "gdn.cu").expect("gdn.cu").1;
+        let define = gdn.lines().find_map(|l| l.strip_prefix("#define GDN_ROWS_AHEAD ")).expect("the define");
+        assert_eq!(define.trim().parse::<usize>().ok(), Some(GDN_ROWS_AHEAD));
+    }
+
+    #[test]
     fn a_flagged_blocks_row_has_a_column_for_every_header_and_its_stamps_from_the_steps_start() {
         let r = FlagRow {
             layer: 3,
