@@ -112,11 +112,12 @@ pub struct BenchArgs {
     /// lookahead); no policy study and no peer. Writes bench-<date>-quick.md.
     #[arg(long)]
     pub quick: bool,
-    /// Adds a case drafting with the MTP head, every expert resident, at the store's full depth:
-    /// each decode step drafts a token, verifies it with the sampled one, and keeps the draft at
-    /// this rate (declared, spread evenly over the passes: the random weights' head never drafts
-    /// the trunk's token). It times the drafting machinery at that acceptance, not a real head's
-    /// acceptance; the report names the rate and the drafts kept.
+    /// Adds a case drafting with the MTP head, every expert resident, at the store's full depth
+    /// and at half of it: each decode step drafts a token, verifies it with the sampled one, and
+    /// keeps the draft at this rate (declared, spread evenly over the passes: the random weights'
+    /// head never drafts the trunk's token). It times the drafting machinery at that acceptance,
+    /// not a real head's acceptance; the report names the rate and the drafts kept, and
+    /// extrapolates the two depths per layer to 48 layers as it does plain decoding.
     #[arg(long, value_name = "P", value_parser = acceptance)]
     pub draft_accept: Option<f64>,
 }
@@ -267,6 +268,25 @@ fn drafting_report(k: &Case, plain: &Case) -> String {
         1e3 / plain.tok_s
     );
     drafting_rate(&k.name, k.tok_s, k.depth, plain.tok_s) + &split
+}
+
+/// The drafting case at 48 layers, extrapolated per layer from its runs at two depths as the
+/// resident cases' 48-layer figures are from theirs (its own part per token: the draft and the
+/// commit's catch-up do not grow with the depth), against plain decoding's 48-layer rate and the
+/// 48-layer roofline. Returns the rate and the report's sentence.
+fn drafting_at_48(full: &Case, half: &Case, plain_48: f64, roofline_48: f64) -> (f64, String) {
+    let (ms, half_ms) = (1e3 / full.tok_s, 1e3 / half.tok_s);
+    let at_48 = tok_s_at_depth(48, per_token_part(ms, full.depth, half_ms, half.depth), ms, full.depth);
+    let text = format!(
+        "At 48 layers, by the per-layer extrapolation from its runs at {} and {} layers ({:.1} and {:.1} tok/s): {at_48:.1} tok/s against {plain_48:.1} without drafting ({:.2}x), {:.1}% of the HBM roofline ({roofline_48:.0} tok/s).\n",
+        full.depth,
+        half.depth,
+        full.tok_s,
+        half.tok_s,
+        at_48 / plain_48,
+        100.0 * at_48 / roofline_48
+    );
+    (at_48, text)
 }
 
 /// The drafting case's name at a declared acceptance `p` (the first words of its report).
@@ -739,9 +759,18 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         anatomy: args.quick && std::env::var_os("CHERENKOV_BENCH_NO_ANATOMY").is_none(),
         draft: None,
     };
-    // The drafting case: resident, full depth, its steps' timing kept out of the anatomy.
-    let drafting = |p: f64| -> Result<Case> {
-        run_case(&drafting_case_name(p), Spec { draft: Some(p), anatomy: false, ..resident })
+    // The drafting case: resident, its steps' timing kept out of the anatomy; at the full depth,
+    // then at half of it for its own 48-layer extrapolation (the second is None at one layer).
+    let drafting = |p: f64| -> Result<(Case, Option<Case>)> {
+        let spec = Spec { draft: Some(p), anatomy: false, ..resident };
+        let full = run_case(&drafting_case_name(p), spec)?;
+        let half = (layers >= 2)
+            .then(|| {
+                let name = format!("{}, first {} layers only", drafting_case_name(p), layers / 2);
+                run_case(&name, Spec { depth: layers / 2, ..spec })
+            })
+            .transpose()?;
+        Ok((full, half))
     };
     let pinned = Spec { slots: streamed_slots, pin: true, ..resident };
     let g = &args.gpu_memory;
@@ -823,7 +852,12 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             md.push_str(&format!("\nPer-token part {p:.3} ms.\n"));
         }
         if let (Some(p), Some(plain)) = (args.draft_accept, cases.first().filter(|_| !pinned_only)) {
-            md.push_str(&drafting_report(&drafting(p)?, plain));
+            let (k, half) = drafting(p)?;
+            md.push_str(&drafting_report(&k, plain));
+            if let (Some(half), Some(per_token)) = (&half, per_token_ms) {
+                let plain_48 = tok_s_at_depth(48, per_token, 1e3 / plain.tok_s, plain.depth);
+                md.push_str(&drafting_at_48(&k, half, plain_48, roofline_full).1);
+            }
         }
         md.push_str(&anatomy_table(&cases));
         md.push_str(&flagged_turn_table(&cases));
@@ -1091,9 +1125,14 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     let peer = peer.map(|(_, v)| v);
     let drafted = match args.draft_accept {
         Some(p) => {
-            let k = drafting(p)?;
+            let (k, half) = drafting(p)?;
             md.push_str(&drafting_report(&k, &cases[0]));
-            Some(json!({"acceptance_declared": p, "tok_s": k.tok_s, "plain_tok_s": cases[0].tok_s, "depth": k.depth}))
+            let at_48 = half.as_ref().map(|half| drafting_at_48(&k, half, per_layer(&cases[0]), roofline_full));
+            if let Some((_, text)) = &at_48 {
+                md.push_str(text);
+            }
+            Some(json!({"acceptance_declared": p, "tok_s": k.tok_s, "plain_tok_s": cases[0].tok_s, "depth": k.depth,
+                        "half_depth_tok_s": half.as_ref().map(|h| h.tok_s), "tok_s_48_layers": at_48.map(|a| a.0)}))
         }
         None => None,
     };
@@ -1250,6 +1289,26 @@ mod tests {
         let mut keeps = Keeps::new(0.8);
         let first: String = (0..10).map(|_| if keeps.next() { 'k' } else { 'd' }).collect();
         assert_eq!(first, "kkdkkkkdkk");
+    }
+
+    #[test]
+    fn drafting_at_48_layers_comes_from_its_own_two_depths() {
+        // A pass of 0.4 ms beside the layers and 0.11 ms a layer, 1.8 tokens a pass: 32 and 16
+        // layers give 2 / (ms a pass) tokens a ms, and 48 layers the same line further on.
+        let tok_s = |layers: f64| 1.8e3 / (0.4 + 0.11 * layers);
+        let full = Case { depth: 32, tok_s: tok_s(32.0), ..Default::default() };
+        let half = Case { depth: 16, tok_s: tok_s(16.0), ..Default::default() };
+        let (at_48, text) = drafting_at_48(&full, &half, 300.0, 1100.0);
+        assert!((at_48 - tok_s(48.0)).abs() < 1e-9, "{at_48}");
+        let want = format!(
+            "at 32 and 16 layers ({:.1} and {:.1} tok/s): {:.1} tok/s against 300.0 without drafting ({:.2}x), {:.1}% of the HBM roofline (1100 tok/s)",
+            tok_s(32.0),
+            tok_s(16.0),
+            tok_s(48.0),
+            tok_s(48.0) / 300.0,
+            100.0 * tok_s(48.0) / 1100.0
+        );
+        assert!(text.contains(&want), "{text}");
     }
 
     #[test]

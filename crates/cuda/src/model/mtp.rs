@@ -38,10 +38,11 @@ impl CudaModel {
         if s.pos != 0 {
             bail!("drafting must start with the sequence (this session already holds {} tokens)", s.pos);
         }
+        // A model run at a part of its depth (`depth`, the benchmark's half-depth cases) drafts
+        // from its last layer's output: the head's input is then not the trained one, which only
+        // a benchmark at a declared acceptance may want. The record of the recurrent states still
+        // covers every layer, so a dropped draft restores as many bytes as at the full depth.
         let c = self.config();
-        if self.depth < c.num_hidden_layers {
-            bail!("drafting needs every decoder layer (this model runs {} of {})", self.depth, c.num_hidden_layers);
-        }
         s.enable_mtp(c, mtp.layers.len())
     }
 
