@@ -242,11 +242,14 @@ impl CudaModel {
             let at = rs.split[r];
             g.with_split_scratch(at, || f(&mut rs.rows[r]))
         };
+        // Copies between kernels cost a pass their launch dependency (an upload between the two
+        // embeddings left about 10 us idle, session 54's timeline): both uploads first, and the
+        // residual rows' copies and the routing's downloads after the last kernel.
+        for sc in &rs.rows {
+            self.upload_step_inputs(sc)?;
+        }
         for r in 0..2 {
-            on(rs, r, &mut |sc| {
-                self.upload_step_inputs(sc)?;
-                w.embed_tokens.embed(g, sc.step_in.ptr, sc.x.ptr, c.hc_count)
-            })?;
+            on(rs, r, &mut |sc| w.embed_tokens.embed(g, sc.step_in.ptr, sc.x.ptr, c.hc_count))?;
         }
         let mut st = [MoeStep::new(), MoeStep::new()];
         for st in &mut st {
@@ -336,9 +339,8 @@ impl CudaModel {
             }
         }
         *self.rows_layers.lock().unwrap_or_else(|e| e.into_inner()) = done;
-        for (r, sc) in rs.rows.iter().enumerate() {
-            g.dtod(hidden + (r * row) as u64, sc.x.ptr, row)?;
-        }
+        // (The final mixer reads the residual rows and writes only its output, so their copies to
+        // `hidden` wait until after the last kernel.)
         if want != Want::Nothing {
             // The final mixer, then lm_head over both rows in one launch where its weights allow.
             self.hc_read_rows(rs, &w.hyper_connection_mixer)?;
@@ -352,10 +354,15 @@ impl CudaModel {
                 }
             }
         }
-        for sc in &rs.rows {
-            if let Want::Top { k, among } = want {
+        if let Want::Top { k, among } = want {
+            for sc in &rs.rows {
                 self.queue_candidates(sc, k, among, radix_candidates())?;
             }
+        }
+        for (r, sc) in rs.rows.iter().enumerate() {
+            g.dtod(hidden + (r * row) as u64, sc.x.ptr, row)?;
+        }
+        for sc in &rs.rows {
             let bytes = sc.moe.ids.bytes.min(sc.moe.ids_host.bytes);
             g.download(&sc.moe.ids_host, 0, sc.moe.ids.ptr, bytes)?;
         }
