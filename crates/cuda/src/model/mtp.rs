@@ -6,12 +6,12 @@
 //! row (the scratch's `x`, before the final mixer) waits in the session's `pending` row until the
 //! following token is known; then the head runs on the pair and appends to its own KV cache.
 //!
-//! The verifying forward runs its rows as ordinary steps, one after another, and after every row
-//! but the last copies the recurrent states (each GDN layer's conv and recurrent state, each PLE
-//! layer's history) into a record, so that a commit of fewer rows restores them. Attention needs
-//! no record: its caches are cut by moving the position back. So a verifying pass costs what its
-//! rows cost as plain steps, plus the copies; the pass over both rows in one launch per kernel is
-//! not built yet.
+//! The verifying forward keeps, after every row but the last, the recurrent states (each GDN
+//! layer's conv and recurrent state, each PLE layer's history) in a record, so that a commit of
+//! fewer rows restores them. Attention needs no record: its caches are cut by moving the position
+//! back. Two rows with every expert resident run as one pass over both, replayed from a graph
+//! (rows.rs, `verify_rows`); otherwise the rows run as ordinary steps, one after another, each
+//! followed by the record's copy.
 
 use anyhow::{Context, Result, bail};
 use cherenkov_model::ngram::advance_context;
