@@ -50,8 +50,9 @@ pub struct ServeArgs {
     pub prefix_cache: Option<String>,
     /// Speculative decoding: tokens the checkpoint's MTP head drafts per decode step (0: off; 1
     /// is the most supported), as `run --draft`; the same text, and /v1/stats reports the drafts
-    /// accepted. On CUDA still slower than plain decoding (the pass that checks a draft costs
-    /// 1.7-1.9x a step) [default: 0].
+    /// accepted. On CUDA the pass that checks a draft costs about 1.56x a step where every expert
+    /// is resident (two steps otherwise), so drafting pays only at depth and high acceptance
+    /// [default: 0].
     #[arg(long, value_name = "N")]
     pub draft: Option<usize>,
     #[command(flatten)]
