@@ -7,10 +7,14 @@ takes the blocks of KERNEL that passed their wait between FROM_US and TO_US (the
 `waited` column gives the window) and prints how many blocks each multiprocessor ran, and the
 spread of the blocks' start, wait and end times from the first block past its wait (us), and of
 each block's own time (end - wait): where a launch's time goes among its blocks (a second wave,
-a tail of slow blocks, blocks with nothing to do).
+a tail of slow blocks, blocks with nothing to do). Then the last blocks past their wait and the
+last to end, each with its block (the linear index, x fastest, so a part of a `matvec_many` grid
+is a range of them) and multiprocessor: whether the launch ends with late blocks or slow ones.
 """
 import collections
 import sys
+
+LAST = 4  # blocks listed by each of the last two lines
 
 
 def main():
@@ -43,6 +47,15 @@ def main():
     spread("waited", [r[3] - w0 for r in rows])
     spread("end", [r[4] - w0 for r in rows])
     spread("end-wait", [r[4] - r[3] for r in rows])
+
+    def last(name, key):
+        print(f"last {name}:", "  ".join(
+            f"block {b} sm {sm} waited {w - w0:.2f} end {e - w0:.2f}"
+            for b, sm, _s, w, e in sorted(rows, key=key)[-LAST:][::-1]))
+
+    last("past the wait", lambda r: (r[3], r[0]))
+    last("to end", lambda r: (r[4], r[0]))
+
 
 
 if __name__ == "__main__":

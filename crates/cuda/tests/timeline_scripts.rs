@@ -1,8 +1,8 @@
 //! The timeline analysis scripts (`tools/gpu/timeline_tails.py`, `timeline_sms.py`,
-//! `timeline_marks.py`, `timeline_phases.py`; `timeline_kernels.py` and `timeline_heads_tails.py` on
-//! launch tables; `timeline.sh`, which runs the bench for them, with a stand-in binary) on records
-//! made up here, so that a change to the record format or the grouping shows before a device call
-//! does. Needs `python3` and `bash` (CI has them).
+//! `timeline_marks.py`, `timeline_phases.py`, `timeline_blocks.py`; `timeline_kernels.py` and
+//! `timeline_heads_tails.py` on launch tables; `timeline.sh`, which runs the bench for them, with a
+//! stand-in binary) on records made up here, so that a change to the record format or the grouping
+//! shows before a device call does. Needs `python3` and `bash` (CI has them).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -59,6 +59,43 @@ fn the_sms_script_counts_working_blocks_per_multiprocessor() {
     assert_eq!(cols[1..6], ["8", "1", "6", "4", "3/0/1/0"], "{cols:?}");
     // Ends after the wait: 8, 8, 12, 6, 6, 6 us.
     assert_eq!(cols[6..8], ["7.67", "12.00"], "{cols:?}");
+}
+
+/// `timeline_blocks.py` on one launch: blocks 0-5 pass their waits at 1.0 + 0.1 b us and end at
+/// 9 - 0.5 b us; block 6 returned before its wait (-1) and block 7 passed its wait at 5 us, outside
+/// the window asked for.
+#[test]
+fn the_blocks_script_names_the_last_blocks_past_the_wait_and_to_end() {
+    let mut records = String::from("kernel\tblock\tblocks\tsm\tstart_ns\twaited_ns\tend_ns\n");
+    for b in 0..6 {
+        records += &format!("k\t{b}\t8\t{b}\t500\t{}\t{}\n", 1000 + 100 * b, 9000 - 500 * b);
+    }
+    records += "k\t6\t8\t1\t900\t-1\t950\nk\t7\t8\t2\t4000\t5000\t6000\n";
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tl-step1.blocks.tsv");
+    std::fs::write(&path, records).unwrap();
+    let out = Command::new("python3")
+        .arg(script("timeline_blocks.py"))
+        .arg(&path)
+        .args(["k", "0.9", "2"])
+        .output()
+        .expect("python3 runs");
+    assert!(out.status.success(), "timeline_blocks.py failed: {}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).expect("UTF-8 output");
+    assert!(text.starts_with("k: 6 blocks, the first past its wait at 1.00 us\n"), "{text}");
+    let line = |start: &str| {
+        text.lines().find(|l| l.starts_with(start)).unwrap_or_else(|| panic!("no line {start:?} in:\n{text}"))
+    };
+    assert_eq!(
+        line("last past the wait:"),
+        "last past the wait: block 5 sm 5 waited 0.50 end 5.50  block 4 sm 4 waited 0.40 end 6.00  \
+         block 3 sm 3 waited 0.30 end 6.50  block 2 sm 2 waited 0.20 end 7.00"
+    );
+    assert_eq!(
+        line("last to end:"),
+        "last to end: block 0 sm 0 waited 0.00 end 8.00  block 1 sm 1 waited 0.10 end 7.50  \
+         block 2 sm 2 waited 0.20 end 7.00  block 3 sm 3 waited 0.30 end 6.50"
+    );
 }
 
 #[test]
