@@ -57,6 +57,5 @@ def main():
     last("to end", lambda r: (r[4], r[0]))
 
 
-
 if __name__ == "__main__":
     main()

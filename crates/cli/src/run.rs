@@ -42,7 +42,7 @@ pub struct RunArgs {
     /// summary reports how many drafts were accepted. On CUDA the draft and its token are checked
     /// in one pass over both rows where every expert is resident (elsewhere as two steps): the
     /// same text, faster only at depth and high acceptance (at 80% acceptance the bench measured
-    /// 0.8x plain decoding at 8 layers, 1.03x at 32 and about 1.07x at 48).
+    /// 0.82-0.84x plain decoding at 8 layers, 1.03x at 32 and about 1.07x at 48).
     #[arg(long, default_value_t = 0, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=cherenkov_engine::generate::MAX_DRAFT as i64))]
     pub draft: u8,
     /// Run the CPU reference beside CUDA on the same tokens and report the largest logit difference
