@@ -110,7 +110,8 @@ enum Command {
             (--cpu-experts, pinned and not); hit rates, lookahead accuracy, \
             bytes read per token (and how much of it was prefetched and never used), the time split, per-load read and copy times, the offline cache-policy study (LRU, \
             LRFU at three decays, adaptive LRFU, Belady, replayed from the prompt on so they start as warm as the pool did) on the routing trace, \
-            the roofline ratios at the run's depth and at 48 layers (the PCIe bound counts only the bytes steps used, \
+            the roofline ratios at the run's depth and at 48 layers (the HBM roofline counts the weights a token \
+            reads, and a second, stricter one also the GDN recurrent states it reads and writes; the PCIe bound counts only the bytes steps used, \
             at the higher of two measured pinned host-to-device rates: from a fresh pinned buffer and from the pinned \
             expert file), and transformers' eager qwen4_exp on the same shape. Results go to --out as \
             markdown and JSON. The synthetic store is written once per depth, experts and n-gram base under \
