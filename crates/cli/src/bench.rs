@@ -429,7 +429,7 @@ fn dense_bytes(c: &TextConfig, mtp: usize) -> (u64, u64) {
 /// whole once a token. The smaller states are left out: the convolutions' histories (a GDN layer's
 /// is 4% of its recurrent state) and attention's KV cache, which grows with the context.
 fn state_bytes(c: &TextConfig) -> u64 {
-    let recurrent = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4;
+    let recurrent = c.gdn_state_len() * 4;
     let gdn_layers = c.layer_types.iter().filter(|t| matches!(t, LayerType::LinearAttention)).count();
     2 * (gdn_layers * recurrent) as u64
 }

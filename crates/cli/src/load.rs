@@ -182,8 +182,7 @@ pub fn cpu_model(store: Arc<Store>, args: &LoadArgs) -> Result<CpuModel> {
 /// Device bytes one session needs at `tokens` of context.
 pub fn session_bytes(c: &TextConfig, tokens: usize) -> usize {
     let per_attn = tokens * (2 * c.num_key_value_heads * c.head_dim + c.qsa.as_ref().map_or(0, |q| q.head_dim * 2));
-    let per_gdn = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
-        + (c.linear_conv_kernel_dim - 1) * c.gdn_conv_dim();
+    let per_gdn = c.gdn_state_len() + (c.linear_conv_kernel_dim - 1) * c.gdn_conv_dim();
     let attn = c.layer_types.iter().filter(|t| **t == LayerType::Attention).count();
     let ple = c.ple_layer_ids.len() * (c.ple_conv_kernel_size - 1) * c.ngram_size * c.hc_hidden();
     4 * (attn * per_attn + (c.num_hidden_layers - attn) * per_gdn + ple)

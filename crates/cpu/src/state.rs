@@ -126,10 +126,7 @@ impl CpuSession {
                 mixer: match t {
                     LayerType::LinearAttention => MixerState::Gdn(GdnState {
                         conv: vec![0.0; (c.linear_conv_kernel_dim - 1) * c.gdn_conv_dim()],
-                        recurrent: vec![
-                            0.0;
-                            c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
-                        ],
+                        recurrent: vec![0.0; c.gdn_state_len()],
                     }),
                     LayerType::Attention => MixerState::Attention(AttentionState::empty()),
                 },

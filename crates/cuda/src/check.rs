@@ -1036,7 +1036,7 @@ pub fn block_checks(cuda: &CudaModel, cpu: &CpuModel, rng: &mut Rng, label: &str
             (cherenkov_cpu::weights::Mixer::Gdn(cg), Mixer::Gdn(gg)) => {
                 // Gated DeltaNet from a random state, three tokens.
                 let kc = (c.linear_conv_kernel_dim - 1) * c.gdn_conv_dim();
-                let nr = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
+                let nr = c.gdn_state_len();
                 let mut st = GdnState { conv: rng.normal(kc, 1.0), recurrent: rng.normal(nr, 0.1) };
                 let conv = g.alloc(kc * 4, "check state")?;
                 let rec = g.alloc(nr * 4, "check state")?;

@@ -142,10 +142,7 @@ impl CudaSession {
             let mixer = match t {
                 LayerType::LinearAttention => MixerState::Gdn {
                     conv: gpu.zeros((c.linear_conv_kernel_dim - 1) * c.gdn_conv_dim() * 4, "the GDN conv state")?,
-                    recurrent: gpu.zeros(
-                        c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4,
-                        "the GDN recurrent state",
-                    )?,
+                    recurrent: gpu.zeros(c.gdn_state_len() * 4, "the GDN recurrent state")?,
                 },
                 LayerType::Attention => MixerState::Attention(attn_bufs(&gpu, c, 256)?),
             };

@@ -111,6 +111,10 @@ impl TextConfig {
     pub fn gdn_value_dim(&self) -> usize {
         self.linear_num_value_heads * self.linear_value_head_dim
     }
+    /// Floats of one GDN layer's recurrent state: a key x value matrix per value head.
+    pub fn gdn_state_len(&self) -> usize {
+        self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
+    }
     /// Channels of the GDN causal convolution (q, k and v).
     pub fn gdn_conv_dim(&self) -> usize {
         2 * self.gdn_key_dim() + self.gdn_value_dim()
