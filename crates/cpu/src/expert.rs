@@ -9,7 +9,7 @@ use std::ops::Range;
 use anyhow::{Result, bail};
 use cherenkov_model::store::ExpertLayout;
 
-use crate::linear::{Linear, group_sums};
+use crate::linear::{DotInput, Linear};
 use crate::ops::silu;
 
 /// The three matrices of one expert record.
@@ -52,46 +52,49 @@ impl<'a> ExpertMatrices<'a> {
         self.gate.rows()
     }
 
-    /// The per-group sums [`ExpertMatrices::gate_up_rows`] needs of its input (those of `down`'s
-    /// input come from [`ExpertMatrices::act_sums`]).
-    pub fn input_sums(&self, x: &[f32]) -> Vec<f32> {
-        sums_for(&self.gate, x)
+    /// What [`ExpertMatrices::gate_up_rows`] needs of its input beside its values (see
+    /// [`Linear::prepare`]); prepared once per expert and token, shared by the threads.
+    pub fn prepare_input(&self, x: &[f32]) -> ExpertInput {
+        let gate = self.gate.prepare(x);
+        let up = (!self.gate.same_input(&self.up)).then(|| self.up.prepare(x));
+        ExpertInput { gate, up }
     }
 
-    /// The per-group sums of the activation, for [`ExpertMatrices::down_rows`].
-    pub fn act_sums(&self, act: &[f32]) -> Vec<f32> {
-        sums_for(&self.down, act)
+    /// What [`ExpertMatrices::down_rows`] needs of the activation beside its values.
+    pub fn prepare_act(&self, act: &[f32]) -> DotInput {
+        self.down.prepare(act)
     }
 
     /// `act[r - rows.start] = silu(gate_r x) * (up_r x)` for `r` in `rows`.
-    pub fn gate_up_rows(&self, x: &[f32], xsums: &[f32], rows: Range<usize>, act: &mut [f32]) {
+    pub fn gate_up_rows(&self, x: &[f32], input: &ExpertInput, rows: Range<usize>, act: &mut [f32]) {
+        let up_input = input.up.as_ref().unwrap_or(&input.gate);
         for (r, a) in rows.zip(act.iter_mut()) {
-            *a = silu(self.gate.dot_one(r, x, xsums)) * self.up.dot_one(r, x, xsums);
+            *a = silu(self.gate.dot_one(r, x, &input.gate)) * self.up.dot_one(r, x, up_input);
         }
     }
 
     /// `y[r - rows.start] = down_r act` for `r` in `rows`.
-    pub fn down_rows(&self, act: &[f32], asums: &[f32], rows: Range<usize>, y: &mut [f32]) {
+    pub fn down_rows(&self, act: &[f32], input: &DotInput, rows: Range<usize>, y: &mut [f32]) {
         for (r, o) in rows.zip(y.iter_mut()) {
-            *o = self.down.dot_one(r, act, asums);
+            *o = self.down.dot_one(r, act, input);
         }
     }
 
     /// The whole expert on the calling thread.
     pub fn forward(&self, x: &[f32]) -> Vec<f32> {
         let mut act = vec![0f32; self.intermediate()];
-        self.gate_up_rows(x, &self.input_sums(x), 0..act.len(), &mut act);
+        self.gate_up_rows(x, &self.prepare_input(x), 0..act.len(), &mut act);
         let mut y = vec![0f32; self.hidden()];
-        self.down_rows(&act, &self.act_sums(&act), 0..y.len(), &mut y);
+        self.down_rows(&act, &self.prepare_act(&act), 0..y.len(), &mut y);
         y
     }
 }
 
-fn sums_for(m: &Linear, x: &[f32]) -> Vec<f32> {
-    match m {
-        Linear::Affine { fmt, .. } => group_sums(x, fmt.group_size),
-        Linear::Float { .. } => Vec::new(),
-    }
+/// An expert's input prepared for its gate and up rows (see [`ExpertMatrices::prepare_input`]).
+pub struct ExpertInput {
+    gate: DotInput,
+    /// Where up's format differs from gate's (mixed-precision checkpoints); else gate's serves.
+    up: Option<DotInput>,
 }
 
 #[cfg(test)]
@@ -119,12 +122,12 @@ mod tests {
             m.down.forward(&act, &mut want);
             let whole = m.forward(&x);
             // Rows in uneven chunks, as a team would take them.
-            let xs = m.input_sums(&x);
+            let xs = m.prepare_input(&x);
             let mut a2 = vec![0f32; i];
             for c in [0..7, 7..40, 40..i] {
                 m.gate_up_rows(&x, &xs, c.clone(), &mut a2[c]);
             }
-            let asums = m.act_sums(&a2);
+            let asums = m.prepare_act(&a2);
             let mut y2 = vec![0f32; h];
             for c in [0..100, 100..101, 101..h] {
                 m.down_rows(&a2, &asums, c.clone(), &mut y2[c]);
@@ -139,7 +142,7 @@ mod tests {
         }
     }
 
-    /// The AVX2 4-bit dot (where the CPU has it) against the portable one.
+    /// The single-token 4-bit dot (its vector kernels, where the CPU has them) against the batch path.
     #[test]
     fn q4_paths_agree() {
         let (rows, cols) = (5, 512);
@@ -147,11 +150,11 @@ mod tests {
         let q = Quantized::new(rows, cols, fmt, 4);
         let l = q.linear();
         let x = rand_vec(cols, 5);
-        let xs = group_sums(&x, 64);
+        let input = l.prepare(&x);
         let mut want = vec![0f32; rows];
         l.forward(&x, &mut want);
         for (r, want) in want.iter().enumerate() {
-            let fast = l.dot_one(r, &x, &xs);
+            let fast = l.dot_one(r, &x, &input);
             assert!((fast - want).abs() <= 1e-4 * (1.0 + want.abs()), "row {r}: {fast} vs {want}");
         }
     }

@@ -4,7 +4,7 @@
 //! come through the shared expert pool ([`cherenkov_engine::residency`]); n-gram rows are read from
 //! `ngram.bin` one row at a time. One file per block kind: [`hyper`] (hyper-connections), [`gdn`]
 //! (Gated DeltaNet), [`attention`] (QSA attention), [`ple`] (n-gram PLE), [`moe`] (router, experts,
-//! shared expert), [`mtp`] (the MTP head, for drafts); [`expert`] is one expert for one token split by rows and [`team`] the threads
+//! shared expert), [`mtp`] (the MTP head, for drafts); [`expert`] is one expert for one token split by rows ([`q4`] its 4-bit kernels) and [`team`] the threads
 //! that share it, for the GPU backend's experts computed on the CPU; [`model`] strings them together; [`state`] is a sequence's decode state.
 
 pub mod attention;
@@ -17,6 +17,7 @@ pub mod moe;
 pub mod mtp;
 pub mod ops;
 pub mod ple;
+pub mod q4;
 pub mod state;
 pub mod team;
 #[cfg(test)]

@@ -14,6 +14,8 @@ use cherenkov_model::quant::Affine;
 use cherenkov_model::store::{Precision, RecordMatrix, TensorView};
 use rayon::prelude::*;
 
+use crate::q4;
+
 /// A borrowed weight matrix `[rows, cols]` (cols = input width).
 #[derive(Clone, Copy)]
 pub enum Linear<'a> {
@@ -145,20 +147,49 @@ impl<'a> Linear<'a> {
         }
     }
 
-    /// The dot product of weight row `r` with one input row `x` (`xsums`: its per-group sums, for
-    /// affine weights; see [`group_sums`]). The single-token path of the experts computed on the
-    /// CPU ([`crate::expert`]): 4-bit rows use AVX2 where the CPU has it, every other format the
-    /// decode-then-dot of [`Linear::forward`]. The result does not depend on which rows a thread
-    /// takes.
-    pub fn dot_one(&self, r: usize, x: &[f32], xsums: &[f32]) -> f32 {
+    /// What [`Linear::dot_one`] needs of an input row beside its values: the per-group sums, and
+    /// for 4-bit rows of whole groups of 64 or a multiple, on a CPU with AVX-512 VNNI, the row in
+    /// fixed point ([`crate::q4`]).
+    pub fn prepare(&self, x: &[f32]) -> DotInput {
+        match *self {
+            Linear::Affine { fmt, cols, .. } => DotInput {
+                group_size: fmt.group_size,
+                sums: group_sums(x, fmt.group_size),
+                fixed: (fmt.bits == 4
+                    && fmt.group_size.is_multiple_of(q4::CHUNK)
+                    && cols.is_multiple_of(fmt.group_size)
+                    && x.len() == cols
+                    && q4::use_vnni())
+                .then(|| q4::Fixed::new(x)),
+            },
+            Linear::Float { .. } => DotInput { group_size: 0, sums: Vec::new(), fixed: None },
+        }
+    }
+
+    /// Whether an input prepared for `self` serves `other` ([`Linear::prepare`] would give the same).
+    pub fn same_input(&self, other: &Linear) -> bool {
+        match (self, other) {
+            (Linear::Affine { fmt: a, .. }, Linear::Affine { fmt: b, .. }) => a == b,
+            (Linear::Float { .. }, Linear::Float { .. }) => true,
+            _ => false,
+        }
+    }
+
+    /// The dot product of weight row `r` with one input row `x` (`input`: [`Linear::prepare`] of
+    /// `x` for this matrix). The single-token path of the experts computed on the CPU
+    /// ([`crate::expert`]): 4-bit rows use [`crate::q4`]'s vector kernels where the CPU has them,
+    /// every other format the decode-then-dot of [`Linear::forward`]. The result does not depend
+    /// on which rows a thread takes.
+    pub fn dot_one(&self, r: usize, x: &[f32], input: &DotInput) -> f32 {
         if let Linear::Affine { fmt, cols, words, scales, biases, .. } = *self
             && fmt.bits == 4
             && fmt.group_size.is_multiple_of(8)
         {
+            assert_eq!(input.group_size, fmt.group_size, "an input prepared for another matrix");
             let (wpr, gpr) = (fmt.words_per_row(cols), fmt.groups_per_row(cols));
             let (w, s, b) =
                 (&words[r * wpr..(r + 1) * wpr], &scales[r * gpr..(r + 1) * gpr], &biases[r * gpr..(r + 1) * gpr]);
-            return q4::dot(w, s, b, &x[..cols], &xsums[..gpr], fmt.group_size);
+            return q4::dot(w, s, b, &x[..cols], &input.sums[..gpr], input.fixed.as_ref(), fmt.group_size);
         }
         // A decoded row per thread, reused: this runs once per row of every expert the CPU computes.
         thread_local! {
@@ -168,7 +199,7 @@ impl<'a> Linear<'a> {
             let mut scratch = row.borrow_mut();
             scratch.resize(self.cols(), 0.0);
             let mut out = [0f32];
-            self.row_dots(r, x, xsums, &mut scratch, &mut out);
+            self.row_dots(r, x, &input.sums, &mut scratch, &mut out);
             out[0]
         })
     }
@@ -207,87 +238,19 @@ impl<'a> Linear<'a> {
     }
 }
 
+/// An input row prepared for [`Linear::dot_one`] by [`Linear::prepare`].
+#[derive(Clone, Debug)]
+pub struct DotInput {
+    /// The group size the sums are over (0 for float weights, which need none).
+    group_size: usize,
+    sums: Vec<f32>,
+    fixed: Option<q4::Fixed>,
+}
+
 /// Per-group sums of `x` (the affine bias term's input; empty for float weights' callers that
 /// pass it anyway).
 pub fn group_sums(x: &[f32], group_size: usize) -> Vec<f32> {
     x.chunks_exact(group_size).map(|g| g.iter().sum::<f32>()).collect()
-}
-
-/// One 4-bit affine row (LSB-first codes, 8 per word; groups a multiple of 8 codes) against one
-/// input row: sum_g scale_g * (sum_j q_j x_j) + bias_g * xsum_g.
-mod q4 {
-    use super::bf16;
-
-    pub fn dot(words: &[u32], scales: &[u16], biases: &[u16], x: &[f32], xsums: &[f32], gs: usize) -> f32 {
-        #[cfg(target_arch = "x86_64")]
-        if gs.is_multiple_of(32)
-            && std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the CPU has AVX2 and FMA (checked above); the slices are sized by the caller
-            // (words: x.len() / 8, scales and biases: x.len() / gs), which `avx2` asserts.
-            return unsafe { avx2(words, scales, biases, x, xsums, gs) };
-        }
-        portable(words, scales, biases, x, xsums, gs)
-    }
-
-    pub fn portable(words: &[u32], scales: &[u16], biases: &[u16], x: &[f32], xsums: &[f32], gs: usize) -> f32 {
-        let wpg = gs / 8;
-        let mut acc = 0f32;
-        for (g, (gw, gx)) in words.chunks_exact(wpg).zip(x.chunks_exact(gs)).enumerate() {
-            let mut lanes = [0f32; 8];
-            for (w, xs) in gw.iter().zip(gx.chunks_exact(8)) {
-                for k in 0..8 {
-                    lanes[k] += ((w >> (4 * k)) & 0xF) as f32 * xs[k];
-                }
-            }
-            let d = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-            acc += bf16(scales[g]) * d + bf16(biases[g]) * xsums[g];
-        }
-        acc
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn avx2(words: &[u32], scales: &[u16], biases: &[u16], x: &[f32], xsums: &[f32], gs: usize) -> f32 {
-        use std::arch::x86_64::*;
-        let (groups, wpg) = (x.len() / gs, gs / 8);
-        assert!(words.len() >= groups * wpg && scales.len() >= groups && biases.len() >= groups);
-        assert!(xsums.len() >= groups && wpg.is_multiple_of(4));
-        let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-        let mask = _mm256_set1_epi32(0xF);
-        let mut row = _mm256_setzero_ps();
-        let mut bias = 0f32;
-        let (wp, xp) = (words.as_ptr(), x.as_ptr());
-        // Codes of word j as 8 floats.
-        let codes = |j: usize| {
-            // SAFETY: callers pass j < groups * wpg <= words.len().
-            let w = unsafe { *wp.add(j) } as i32;
-            _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), shifts), mask))
-        };
-        // SAFETY: callers pass j < groups * wpg, and x holds 8 values per word.
-        let xs = |j: usize| unsafe { _mm256_loadu_ps(xp.add(8 * j)) };
-        for g in 0..groups {
-            // Four chains, so the multiply-adds' latency does not set the pace.
-            let (mut a0, mut a1, mut a2, mut a3) =
-                (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
-            let mut j = g * wpg;
-            while j < (g + 1) * wpg {
-                a0 = _mm256_fmadd_ps(codes(j), xs(j), a0);
-                a1 = _mm256_fmadd_ps(codes(j + 1), xs(j + 1), a1);
-                a2 = _mm256_fmadd_ps(codes(j + 2), xs(j + 2), a2);
-                a3 = _mm256_fmadd_ps(codes(j + 3), xs(j + 3), a3);
-                j += 4;
-            }
-            let a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-            row = _mm256_fmadd_ps(a, _mm256_set1_ps(bf16(scales[g])), row);
-            bias += bf16(biases[g]) * xsums[g];
-        }
-        let mut lanes = [0f32; 8];
-        // SAFETY: 8 floats into an array of 8.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), row) };
-        ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])) + bias
-    }
 }
 
 #[inline]
@@ -381,27 +344,6 @@ mod tests {
                         "bits {bits} row {r} t {t}: {got} vs {want}"
                     );
                 }
-            }
-        }
-    }
-
-    #[test]
-    fn q4_portable_and_vector_dots_agree() {
-        let (rows, cols) = (3, 256);
-        for gs in [32, 64, 128] {
-            let fmt = Affine::new(4, gs);
-            let q = Quantized::new(rows, cols, fmt, gs as u64).q;
-            let x = rand_vec(cols, 3);
-            let xs = group_sums(&x, gs);
-            let (wpr, gpr) = (fmt.words_per_row(cols), fmt.groups_per_row(cols));
-            for r in 0..rows {
-                let (w, s, b) = (
-                    &q.words[r * wpr..(r + 1) * wpr],
-                    &q.scales[r * gpr..(r + 1) * gpr],
-                    &q.biases[r * gpr..(r + 1) * gpr],
-                );
-                let (fast, slow) = (q4::dot(w, s, b, &x, &xs, gs), q4::portable(w, s, b, &x, &xs, gs));
-                assert!((fast - slow).abs() <= 1e-4 * (1.0 + slow.abs()), "gs {gs} row {r}: {fast} vs {slow}");
             }
         }
     }

@@ -18,7 +18,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::expert::ExpertMatrices;
+use crate::expert::{ExpertInput, ExpertMatrices};
+use crate::linear::DotInput;
 
 /// Gate/up rows per chunk (each row is two dot products of the hidden width).
 const GATE_UP_ROWS: usize = 8;
@@ -37,7 +38,7 @@ pub struct JobExpert<'a> {
 struct Work {
     experts: Vec<ExpertMatrices<'static>>,
     xs: Vec<&'static [f32]>,
-    xsums: Vec<Vec<f32>>,
+    inputs: Vec<ExpertInput>,
     inter: usize,
     hidden: usize,
     act: Vec<f32>,
@@ -46,8 +47,8 @@ struct Work {
     done_up: AtomicUsize,
     next_down: AtomicUsize,
     done_down: AtomicUsize,
-    /// Activation sums per expert, computed by the first thread to need them.
-    asums: Vec<Mutex<Option<Vec<f32>>>>,
+    /// Each expert's activation prepared for its down rows, by the first thread to need it.
+    acts: Vec<std::sync::OnceLock<DotInput>>,
     /// When the job was submitted, and how long it took (ns; written by the thread that completes
     /// the last chunk: the submitter may come to wait much later).
     start: Instant,
@@ -97,7 +98,7 @@ impl Work {
             // SAFETY: chunk c's rows are written by the one thread that took c, and read only after
             // done_up reaches every chunk (the Release below, the Acquire in the down phase).
             let act = unsafe { rows_mut(&self.act, e * self.inter + r0, r1 - r0) };
-            self.experts[e].gate_up_rows(self.xs[e], &self.xsums[e], r0..r1, act);
+            self.experts[e].gate_up_rows(self.xs[e], &self.inputs[e], r0..r1, act);
             self.done_up.fetch_add(1, Ordering::Release);
         }
         let per_down = self.hidden.div_ceil(DOWN_ROWS);
@@ -121,13 +122,10 @@ impl Work {
             let (e, r0) = (c / per_down, (c % per_down) * DOWN_ROWS);
             let r1 = (r0 + DOWN_ROWS).min(self.hidden);
             let act = &self.act[e * self.inter..(e + 1) * self.inter];
-            let asums = {
-                let mut s = self.asums[e].lock().unwrap_or_else(|p| p.into_inner());
-                s.get_or_insert_with(|| self.experts[e].act_sums(act)).clone()
-            };
+            let prepared = self.acts[e].get_or_init(|| self.experts[e].prepare_act(act));
             // SAFETY: as for the activation rows: one writer per chunk, read after done_down.
             let out = unsafe { rows_mut(&self.out, e * self.hidden + r0, r1 - r0) };
-            self.experts[e].down_rows(act, &asums, r0..r1, out);
+            self.experts[e].down_rows(act, prepared, r0..r1, out);
             if self.done_down.fetch_add(1, Ordering::Release) + 1 == dc {
                 let ns = u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
                 self.took_ns.store(ns.max(1), Ordering::Release);
@@ -257,7 +255,7 @@ impl ExpertTeam {
             experts: experts.iter().map(|e| extend(e.matrices)).collect(),
             // SAFETY: as above.
             xs: experts.iter().map(|e| unsafe { std::mem::transmute::<&'a [f32], &'static [f32]>(e.x) }).collect(),
-            xsums: experts.iter().map(|e| e.matrices.input_sums(e.x)).collect(),
+            inputs: experts.iter().map(|e| e.matrices.prepare_input(e.x)).collect(),
             inter,
             hidden,
             act: vec![0f32; n * inter],
@@ -266,7 +264,7 @@ impl ExpertTeam {
             done_up: AtomicUsize::new(0),
             next_down: AtomicUsize::new(0),
             done_down: AtomicUsize::new(0),
-            asums: (0..n).map(|_| Mutex::new(None)).collect(),
+            acts: (0..n).map(|_| std::sync::OnceLock::new()).collect(),
             start,
             took_ns: AtomicU64::new(0),
             failed: AtomicBool::new(false),

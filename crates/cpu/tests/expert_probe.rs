@@ -7,7 +7,8 @@
 //! without, 16 random 4-bit experts of the released shape (intermediate 640, hidden 2560, groups
 //! of 64). It times, per expert (median over several passes over the records, so they come from
 //! memory, not the caches): the CPU backend's batch kernels (rayon over rows, all cores); the
-//! single-token kernels of `cherenkov_cpu::expert` on one thread; and `ExpertTeam`s of 4, 8 and
+//! single-token kernels of `cherenkov_cpu::expert` on one thread (4-bit rows by `cherenkov_cpu::q4`:
+//! AVX-512 VNNI where the CPU has it, `CHERENKOV_CPU_NO_VNNI=1` for the float kernel); and `ExpertTeam`s of 4, 8 and
 //! `CHERENKOV_PROBE_THREADS` threads (default: every core but two) with one and two experts per
 //! job, as the GPU backend submits them, and with one record over and over (cached).
 
@@ -132,7 +133,12 @@ fn cpu_expert_probe() {
         }
     }
     let (m, b) = median(times);
-    println!("single-token kernels, one thread: median {m:.3} ms, best {b:.3} ms per expert");
+    let kernel = if cherenkov_cpu::q4::use_vnni() {
+        "AVX-512 VNNI on fixed-point inputs"
+    } else {
+        "floats (AVX2 where the CPU has it; CHERENKOV_CPU_NO_VNNI=1 or no VNNI)"
+    };
+    println!("single-token kernels ({kernel}), one thread: median {m:.3} ms, best {b:.3} ms per expert");
 
     // Teams of several sizes, one and two experts per job, on records in turn (from memory) and on
     // one record again and again (from the caches): what the threads' sync costs beside the bytes.
