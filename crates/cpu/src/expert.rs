@@ -142,6 +142,19 @@ mod tests {
         }
     }
 
+    /// An input prepared for one matrix is refused by a matrix of another width, whichever
+    /// kernel would run (it would otherwise read the wrong sums or digits).
+    #[test]
+    fn an_input_prepared_for_another_matrix_is_refused() {
+        let q = expert(64, 256, Affine::new(4, 64), 3);
+        let m = matrices(&q);
+        let (x, act) = (rand_vec(256, 1), rand_vec(64, 2));
+        let for_gate = m.gate.prepare(&x);
+        let wrong = std::panic::catch_unwind(|| m.down.dot_one(0, &act, &for_gate));
+        assert!(wrong.is_err(), "down took gate's prepared input");
+        assert!(m.down.dot_one(0, &act, &m.down.prepare(&act)).is_finite());
+    }
+
     /// The single-token 4-bit dot (its vector kernels, where the CPU has them) against the batch path.
     #[test]
     fn q4_paths_agree() {

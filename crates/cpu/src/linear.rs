@@ -82,6 +82,14 @@ impl<'a> Linear<'a> {
         })
     }
 
+    /// Codes per (scale, bias) group; 0 for float weights.
+    fn group_size(&self) -> usize {
+        match self {
+            Linear::Affine { fmt, .. } => fmt.group_size,
+            Linear::Float { .. } => 0,
+        }
+    }
+
     pub fn rows(&self) -> usize {
         match self {
             Linear::Affine { rows, .. } | Linear::Float { rows, .. } => *rows,
@@ -153,6 +161,7 @@ impl<'a> Linear<'a> {
     pub fn prepare(&self, x: &[f32]) -> DotInput {
         match *self {
             Linear::Affine { fmt, cols, .. } => DotInput {
+                len: x.len(),
                 group_size: fmt.group_size,
                 sums: group_sums(x, fmt.group_size),
                 fixed: (fmt.bits == 4
@@ -162,7 +171,7 @@ impl<'a> Linear<'a> {
                     && q4::use_vnni())
                 .then(|| q4::Fixed::new(x)),
             },
-            Linear::Float { .. } => DotInput { group_size: 0, sums: Vec::new(), fixed: None },
+            Linear::Float { .. } => DotInput { len: x.len(), group_size: 0, sums: Vec::new(), fixed: None },
         }
     }
 
@@ -181,11 +190,14 @@ impl<'a> Linear<'a> {
     /// every other format the decode-then-dot of [`Linear::forward`]. The result does not depend
     /// on which rows a thread takes.
     pub fn dot_one(&self, r: usize, x: &[f32], input: &DotInput) -> f32 {
+        assert!(
+            input.len == x.len() && input.group_size == self.group_size(),
+            "an input prepared for another input row or matrix"
+        );
         if let Linear::Affine { fmt, cols, words, scales, biases, .. } = *self
             && fmt.bits == 4
             && fmt.group_size.is_multiple_of(8)
         {
-            assert_eq!(input.group_size, fmt.group_size, "an input prepared for another matrix");
             let (wpr, gpr) = (fmt.words_per_row(cols), fmt.groups_per_row(cols));
             let (w, s, b) =
                 (&words[r * wpr..(r + 1) * wpr], &scales[r * gpr..(r + 1) * gpr], &biases[r * gpr..(r + 1) * gpr]);
@@ -241,6 +253,8 @@ impl<'a> Linear<'a> {
 /// An input row prepared for [`Linear::dot_one`] by [`Linear::prepare`].
 #[derive(Clone, Debug)]
 pub struct DotInput {
+    /// The length of the input row it was prepared from.
+    len: usize,
     /// The group size the sums are over (0 for float weights, which need none).
     group_size: usize,
     sums: Vec<f32>,

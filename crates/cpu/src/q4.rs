@@ -149,7 +149,7 @@ unsafe fn fixed_avx512(x: &[f32]) -> Fixed {
 }
 
 /// The row's dot product with one input row (`xsums`: its per-group sums; `fixed`: the input in
-/// fixed point, where [`use_vnni`] said so when it was prepared).
+/// fixed point, where [`use_vnni`] said so when it was prepared; a CPU without VNNI ignores it).
 pub fn dot(
     words: &[u32],
     scales: &[u16],
@@ -163,9 +163,9 @@ pub fn dot(
     {
         if let Some(fx) = fixed
             && gs.is_multiple_of(CHUNK)
+            && has_vnni()
         {
-            assert!(has_vnni(), "a fixed-point input on a CPU without AVX-512 VNNI");
-            // SAFETY: the CPU has AVX-512 F, BW, VL and VNNI (asserted); `vnni` checks the lengths.
+            // SAFETY: the CPU has AVX-512 F, BW, VL and VNNI (checked); `vnni` checks the lengths.
             return unsafe { vnni(words, scales, biases, fx, xsums, gs) };
         }
         if gs.is_multiple_of(32)
@@ -208,8 +208,9 @@ unsafe fn vnni(words: &[u32], scales: &[u16], biases: &[u16], fx: &Fixed, xsums:
     let chunks = fx.step.len();
     let (per_group, groups) = (gs / CHUNK, chunks * CHUNK / gs);
     assert!(gs.is_multiple_of(CHUNK) && chunks.is_multiple_of(per_group));
-    assert!(words.len() >= chunks * CHUNK / 8 && fx.digits.len() >= 3 * CHUNK * chunks);
-    assert!(scales.len() >= groups && biases.len() >= groups && xsums.len() >= groups);
+    // The row and the input must be as wide (an input prepared for another matrix is not).
+    assert!(words.len() == chunks * CHUNK / 8 && fx.digits.len() == 3 * CHUNK * chunks);
+    assert!(scales.len() == groups && biases.len() == groups && xsums.len() == groups);
     let nibbles = _mm512_set1_epi16(0x0F0F);
     let (wp, dp) = (words.as_ptr() as *const u8, fx.digits.as_ptr());
     // 16 bf16 values (the first `m` of `at`) as floats.
