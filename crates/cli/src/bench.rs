@@ -1127,7 +1127,8 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         args.cut_weak, cases[4].cut_per_token
     ));
     md.push_str(&format!(
-        "\nExperts computed on the CPU (`--cpu-experts {cpu_threads}`: per block, as many of the misses of lowest routing weight as end the block soonest at the measured rates; not reproducible):\n\n| case | computed on the CPU per token | host wait for them ms/tok | an expert on the CPU (median of the last jobs) | a lone miss's load (measured at start) |\n| --- | --- | --- | --- | --- |\n"
+        "\nExperts computed on the CPU (`--cpu-experts {cpu_threads}`, 4-bit rows by {}: per block, as many of the misses of lowest routing weight as end the block soonest at the measured rates; not reproducible):\n\n| case | computed on the CPU per token | host wait for them ms/tok | an expert on the CPU (median of the last jobs) | a lone miss's load (measured at start) |\n| --- | --- | --- | --- | --- |\n",
+        cherenkov_cpu::q4::kernel_name()
     ));
     for k in cases.iter().filter(|k| k.cpu_rates.is_some()) {
         let r = k.cpu_rates.expect("filtered");
@@ -1175,7 +1176,8 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     let j = json!({"date": date, "gpu": gpu.info.name, "device_bw": bw.device, "h2d_bw": bw.host_to_device, "h2d_bw_expert_file": file_bw.get(), "h2d_bw_bound": link(), "layers": c.num_hidden_layers,
                    "experts": c.num_experts, "skew": skew, "roofline_tok_s": roofline, "roofline_48_layers_tok_s": roofline_full, "state_bytes_per_token": states, "state_bytes_per_token_48_layers": states_full, "roofline_with_states_tok_s": roofline_states, "roofline_with_states_48_layers_tok_s": roofline_states_full, "per_token_ms": per_token_ms, "cases": cases_json,
                    "resident_runs_tok_s": {"layers": layers, "full": full_rates, "half": half_rates},
-                   "policies": policies.iter().map(|(n, h)| json!({"policy": n, "hit_rate": h})).collect::<Vec<_>>(), "policy_uncounted_steps": cases[2].warm_steps, "peer": peer, "drafting": drafted});
+                   "policies": policies.iter().map(|(n, h)| json!({"policy": n, "hit_rate": h})).collect::<Vec<_>>(), "policy_uncounted_steps": cases[2].warm_steps, "peer": peer, "drafting": drafted,
+                   "cpu_expert_kernel": cherenkov_cpu::q4::kernel_name()});
     std::fs::write(stem.with_extension("json"), serde_json::to_vec_pretty(&j)?)?;
     writeln!(out, "{md}")?;
     writeln!(out, "wrote {} and .json", stem.with_extension("md").display())?;

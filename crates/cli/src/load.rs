@@ -304,9 +304,10 @@ pub fn cuda_model(store: Arc<Store>, args: &LoadArgs) -> Result<CudaModel> {
             bar.finish_and_clear();
             if let Some((copy, cpu)) = model.cpu_expert_rates() {
                 eprintln!(
-                    "cuda: {threads} CPU threads compute misses when sooner: an expert takes {:.3} ms on the CPU, a \
-                     miss {:.3} ms to load",
+                    "cuda: {threads} CPU threads compute misses when sooner: an expert takes {:.3} ms on the CPU \
+                     ({}), a miss {:.3} ms to load",
                     cpu as f64 / 1e6,
+                    cherenkov_cpu::q4::kernel_name(),
                     copy as f64 / 1e6
                 );
             }

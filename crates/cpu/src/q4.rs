@@ -40,6 +40,18 @@ pub fn use_vnni() -> bool {
     })
 }
 
+/// The kernel 4-bit expert rows take here (groups of 64 or a multiple), in words for reports.
+pub fn kernel_name() -> &'static str {
+    if use_vnni() {
+        return "AVX-512 VNNI on fixed-point inputs";
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        return "AVX2 floats";
+    }
+    "portable floats"
+}
+
 fn has_vnni() -> bool {
     #[cfg(target_arch = "x86_64")]
     {

@@ -133,11 +133,7 @@ fn cpu_expert_probe() {
         }
     }
     let (m, b) = median(times);
-    let kernel = if cherenkov_cpu::q4::use_vnni() {
-        "AVX-512 VNNI on fixed-point inputs"
-    } else {
-        "floats (AVX2 where the CPU has it; CHERENKOV_CPU_NO_VNNI=1 or no VNNI)"
-    };
+    let kernel = cherenkov_cpu::q4::kernel_name();
     println!("single-token kernels ({kernel}), one thread: median {m:.3} ms, best {b:.3} ms per expert");
 
     // Teams of several sizes, one and two experts per job, on records in turn (from memory) and on
