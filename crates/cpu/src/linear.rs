@@ -9,6 +9,7 @@
 
 use anyhow::{Result, bail};
 use cherenkov_model::DType;
+use cherenkov_model::dtype::bf16_to_f32 as bf16;
 use cherenkov_model::dtype::decode_f32;
 use cherenkov_model::quant::Affine;
 use cherenkov_model::store::{Precision, RecordMatrix, TensorView};
@@ -265,11 +266,6 @@ pub struct DotInput {
 /// pass it anyway).
 pub fn group_sums(x: &[f32], group_size: usize) -> Vec<f32> {
     x.chunks_exact(group_size).map(|g| g.iter().sum::<f32>()).collect()
-}
-
-#[inline]
-fn bf16(b: u16) -> f32 {
-    f32::from_bits((b as u32) << 16)
 }
 
 /// Dot product with 8 independent accumulators (vectorizes; fixed order, so deterministic).

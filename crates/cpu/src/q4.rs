@@ -22,6 +22,8 @@
 
 use std::sync::OnceLock;
 
+use cherenkov_model::dtype::bf16_to_f32 as bf16;
+
 /// Inputs per fixed-point chunk: a chunk's codes are 32 bytes, 64 when unpacked, one 512-bit
 /// register.
 pub const CHUNK: usize = 64;
@@ -318,11 +320,6 @@ unsafe fn avx2(words: &[u32], scales: &[u16], biases: &[u16], x: &[f32], xsums: 
     // SAFETY: 8 floats into an array of 8.
     unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), row) };
     ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])) + bias
-}
-
-#[inline]
-fn bf16(b: u16) -> f32 {
-    f32::from_bits((b as u32) << 16)
 }
 
 #[cfg(test)]
