@@ -3,7 +3,9 @@
 //!
 //! A job is a few experts of one MoE block. The team takes the gate/up rows of all of them in
 //! small chunks (an atomic counter hands them out, so a late thread simply takes fewer), waits
-//! until every activation row is in, then takes the down rows the same way. The thread that
+//! until every activation row is in, then takes the down rows the same way. An expert's input and
+//! activation are prepared for the kernels ([`ExpertMatrices::prepare_input`]) by the first thread
+//! to need them, not by the submitter. The thread that
 //! submitted the job helps once it has nothing else to queue ([`Job::wait`]). Between jobs the
 //! threads spin for a while, then park until the next job: a job that finds the team parked waits
 //! for the threads to wake (tens of microseconds each), which is as long as the job itself. So a
@@ -12,7 +14,7 @@
 //! and restarts their spinning.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -38,7 +40,9 @@ pub struct JobExpert<'a> {
 struct Work {
     experts: Vec<ExpertMatrices<'static>>,
     xs: Vec<&'static [f32]>,
-    inputs: Vec<ExpertInput>,
+    /// Each expert's input prepared for its gate and up rows, by the first thread to take one of
+    /// them (off the submitter, whose thread is the GPU step's).
+    inputs: Vec<OnceLock<ExpertInput>>,
     inter: usize,
     hidden: usize,
     act: Vec<f32>,
@@ -48,7 +52,7 @@ struct Work {
     next_down: AtomicUsize,
     done_down: AtomicUsize,
     /// Each expert's activation prepared for its down rows, by the first thread to need it.
-    acts: Vec<std::sync::OnceLock<DotInput>>,
+    acts: Vec<OnceLock<DotInput>>,
     /// When the job was submitted, and how long it took (ns; written by the thread that completes
     /// the last chunk: the submitter may come to wait much later).
     start: Instant,
@@ -98,7 +102,8 @@ impl Work {
             // SAFETY: chunk c's rows are written by the one thread that took c, and read only after
             // done_up reaches every chunk (the Release below, the Acquire in the down phase).
             let act = unsafe { rows_mut(&self.act, e * self.inter + r0, r1 - r0) };
-            self.experts[e].gate_up_rows(self.xs[e], &self.inputs[e], r0..r1, act);
+            let input = self.inputs[e].get_or_init(|| self.experts[e].prepare_input(self.xs[e]));
+            self.experts[e].gate_up_rows(self.xs[e], input, r0..r1, act);
             self.done_up.fetch_add(1, Ordering::Release);
         }
         let per_down = self.hidden.div_ceil(DOWN_ROWS);
@@ -255,7 +260,7 @@ impl ExpertTeam {
             experts: experts.iter().map(|e| extend(e.matrices)).collect(),
             // SAFETY: as above.
             xs: experts.iter().map(|e| unsafe { std::mem::transmute::<&'a [f32], &'static [f32]>(e.x) }).collect(),
-            inputs: experts.iter().map(|e| e.matrices.prepare_input(e.x)).collect(),
+            inputs: (0..n).map(|_| OnceLock::new()).collect(),
             inter,
             hidden,
             act: vec![0f32; n * inter],
@@ -264,7 +269,7 @@ impl ExpertTeam {
             done_up: AtomicUsize::new(0),
             next_down: AtomicUsize::new(0),
             done_down: AtomicUsize::new(0),
-            acts: (0..n).map(|_| std::sync::OnceLock::new()).collect(),
+            acts: (0..n).map(|_| OnceLock::new()).collect(),
             start,
             took_ns: AtomicU64::new(0),
             failed: AtomicBool::new(false),
