@@ -867,7 +867,8 @@ fn launch_many(
         }
         args.extend([Arg::U64((p.stride / 4) as u64), Arg::U64((p.stride / 4) as u64), Arg::Ptr(p.conv_mid)]);
         let shmem = shmem.max(2 * rows_staging_bytes(cols));
-        gpu.launch("matvec_many_x2", grid, threads as u32, shmem as u32, &args)?;
+        // A flat grid: the parts' blocks one after another (see the kernel).
+        gpu.launch("matvec_many_x2", (flat_grid as u32, 1, 1), threads as u32, shmem as u32, &args)?;
         return Ok(0);
     }
     // A verifying pass's rows (`Gpu::with_rows`): `matvec_many`'s launch serves them all.

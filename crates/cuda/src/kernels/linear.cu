@@ -1433,12 +1433,24 @@ extern "C" __global__ void __launch_bounds__(256, 2) matvec_many_48_rows(MATVEC_
 // (its state the rows' one), row 0's conv runs first and the state after it is written to
 // `conv_mid` (mv_conv_rows_x2). Two blocks a multiprocessor: at three (matvec_many_48's) the two
 // rows' sums spill.
+//
+// Its grid is flat, the parts' n_p blocks one after another (blockIdx.y unused), as
+// matvec_many_ahead's: a grid as wide as the widest part for every part (matvec_many_48's) holds
+// hundreds of blocks that leave at once, and at two blocks a multiprocessor they took the free
+// places one after another ahead of the small parts' working blocks, which then passed their wait
+// 13-15 us after the first (session 56's timeline of the GDN input projections over both rows,
+// against about 2 us at matvec_many_48's three). Which block computes a tile does not change its
+// sums.
 extern "C" __global__ void __launch_bounds__(256, 2)
     matvec_many_x2(MATVEC_MANY_ARGS, long long xstride, long long ystride, float* conv_mid) {
     KSPAN;
-    const int p = blockIdx.y, bx = blockIdx.x;
+    int p = 0, bx = blockIdx.x;
+    while (p < MV_PARTS - 1 && bx >= MV_SEL(n)) {
+        bx -= MV_SEL(n);
+        p++;
+    }
     const int nb = MV_SEL(n);
-    // A block beyond the part's own leaves at once (see matvec_many_part).
+    // (A block past the last part's leaves at once.)
     if (bx >= nb) return;
     typedef MvFmt<4> F;
     const int rows = MV_SEL(r), L = MV_SEL(l), gs = MV_SEL(g);
