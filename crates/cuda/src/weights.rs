@@ -887,7 +887,11 @@ fn launch_many(
             );
         }
         args.push(Arg::U64(stride));
-        (rows_kernel, (grid.0, grid.1, rows))
+        // matvec_many_48_rows' grid is flat: each row's parts' blocks one after another (see the
+        // kernel).
+        let grid =
+            if rows_kernel == "matvec_many_48_rows" { (flat_grid as u32, 1, rows) } else { (grid.0, grid.1, rows) };
+        (rows_kernel, grid)
     } else {
         (kernel, grid)
     };

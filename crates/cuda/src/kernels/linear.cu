@@ -1179,15 +1179,17 @@ __device__ __noinline__ void mv_conv_rows_x2(const MvConv cv, float* y0, float* 
     }
 }
 
-template <int BITS, bool NORM, bool AHEAD = false>
+template <int BITS, bool NORM, bool AHEAD = false, bool FLAT = false>
 __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, const MvIn in, int cols, int gs,
                                                  float* scratch,
                                                  const u32* W, const u16* S, const u16* B, float* y, int rows, int L,
                                                  int nb, int ks, const MvNorm nrm, const MvConv cv, bool defer,
                                                  bool ahead, int flat_p, int flat_bx) {
     typedef MvFmt<BITS> F;
-    // The part and its block: from the flat grid of matvec_many_ahead, else (blockIdx.y, .x).
-    const int p = AHEAD ? flat_p : (int)blockIdx.y, bx = AHEAD ? flat_bx : (int)blockIdx.x;
+    // The part and its block: from a flat grid (matvec_many_ahead's, matvec_many_48_rows'), else
+    // (blockIdx.y, .x), read here again (taking the caller's kept them in registers: matvec_many_rows
+    // spilled 48 bytes that way).
+    const int p = AHEAD || FLAT ? flat_p : (int)blockIdx.y, bx = AHEAD || FLAT ? flat_bx : (int)blockIdx.x;
     if (bx >= nb * ks) {
         // A block beyond the part's own (the grid is as wide as the widest part) reads and writes
         // nothing, so it leaves at once, before the wait: its slot is free for the blocks behind
@@ -1348,8 +1350,10 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
         const float *conv_w, int conv_k, int defer_parts, int ahead_parts
 #define MATVEC_MANY_PART(B, NORM, AHEAD) MATVEC_MANY_PART_Y(B, NORM, AHEAD, MV_SEL(y))
 // (Y: the block's part's output.)
-#define MATVEC_MANY_PART_Y(B, NORM, AHEAD, Y)                                                                 \
-    matvec_many_part<B, NORM, AHEAD>(x, MvIn{x2, xs, op}, cols, MV_SEL(g), scratch, MV_SEL(W), MV_SEL(S), MV_SEL(Bi),      \
+#define MATVEC_MANY_PART_Y(B, NORM, AHEAD, Y) MATVEC_MANY_PART_YF(B, NORM, AHEAD, Y, false)
+// (FLAT: the caller found p and bx in a flat grid.)
+#define MATVEC_MANY_PART_YF(B, NORM, AHEAD, Y, FLAT)                                                          \
+    matvec_many_part<B, NORM, AHEAD, FLAT>(x, MvIn{x2, xs, op}, cols, MV_SEL(g), scratch, MV_SEL(W), MV_SEL(S), MV_SEL(Bi), \
                         Y, MV_SEL(r), MV_SEL(l), MV_SEL(n), MV_SEL(k),                               \
                         MvNorm{norm_group, norm_eps, norm_inv}, MvConv{conv_state, conv_w, conv_k},          \
                         NORM ? ((defer_parts >> p) & 1) != 0 : p == 0 && defer_parts != 0,                 \
@@ -1413,16 +1417,28 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_many_48(MATVEC_MANY_
 // matvec_many_48's plans (3 blocks a multiprocessor) and sums, bit for bit: the router launch of a
 // pass's MoE blocks. Two blocks a multiprocessor: at three the row pointers spilled 108 bytes, with
 // every part's output moved up front or only this block's.
+//
+// Its grid is flat, each row's parts' n_p k_p blocks one after another (blockIdx.y unused), as
+// matvec_many_ahead's: in a grid as wide as the widest part for every part, the blocks that leave at
+// once took the free places ahead of the second row's working blocks, which passed their wait
+// 2.3-2.7 us after the first row's (session 56's timeline; 0.2 us for the step's router).
+// (matvec_many_rows keeps the two-dimensional grid: with this search it spilled 76 bytes, and its
+// working blocks waited about 1 us at most.) Past the last part: p MV_PARTS - 1 with bx beyond its
+// blocks, which matvec_many_part sends away at once.
 extern "C" __global__ void __launch_bounds__(256, 2) matvec_many_48_rows(MATVEC_MANY_ARGS, long long rs) {
     KSPAN;
-    const int p = blockIdx.y, bx = blockIdx.x;
+    int p = 0, bx = blockIdx.x;
+    while (p < MV_PARTS - 1 && bx >= MV_SEL(n) * MV_SEL(k)) {
+        bx -= MV_SEL(n) * MV_SEL(k);
+        p++;
+    }
     x = row_ptr(x, rs);
     if (op != MV_IN_ONE_PLUS) x2 = row_ptr(x2, rs);
     scratch = row_ptr(scratch, rs);
     if (MV_SEL(b) == 4) {
-        MATVEC_MANY_PART_Y(4, false, false, row_ptr(MV_SEL(y), rs));
+        MATVEC_MANY_PART_YF(4, false, false, row_ptr(MV_SEL(y), rs), true);
     } else {
-        MATVEC_MANY_PART_Y(8, false, false, row_ptr(MV_SEL(y), rs));
+        MATVEC_MANY_PART_YF(8, false, false, row_ptr(MV_SEL(y), rs), true);
     }
 }
 
