@@ -1335,6 +1335,15 @@ __device__ __forceinline__ void matvec_many_part(const float* __restrict__ x, co
     const u32 *W##i, const u16 *S##i, const u16 *Bi##i, float *y##i, int r##i, int l##i, int n##i, int k##i, \
         int b##i, int g##i
 #define MV_SEL(v) (p == 0 ? v##0 : p == 1 ? v##1 : p == 2 ? v##2 : v##3)
+// Part p and its block bx of a flat grid, the parts' n_p k_p blocks one after another (blockIdx.y
+// unused): matvec_many_ahead's, matvec_many_x2's and matvec_many_48_rows'. Past the last part: p
+// MV_PARTS - 1 with bx beyond its blocks, which the kernels send away at once.
+#define MV_FLAT_PART                                          \
+    int p = 0, bx = blockIdx.x;                               \
+    while (p < MV_PARTS - 1 && bx >= MV_SEL(n) * MV_SEL(k)) { \
+        bx -= MV_SEL(n) * MV_SEL(k);                          \
+        p++;                                                  \
+    }
 // (x2, xs, op): the input transform (MV_IN_*), applied to every part's x.
 // (norm_group, norm_eps, norm_inv): the folded norm (MvNorm; norm_group 0: none).
 // (conv_state, conv_w, conv_k): the conv folded into part 0 (MvConv; conv_k 0: none).
@@ -1423,15 +1432,10 @@ extern "C" __global__ void __launch_bounds__(256, 3) matvec_many_48(MATVEC_MANY_
 // once took the free places ahead of the second row's working blocks, which passed their wait
 // 2.3-2.7 us after the first row's (session 56's timeline; 0.2 us for the step's router).
 // (matvec_many_rows keeps the two-dimensional grid: with this search it spilled 76 bytes, and its
-// working blocks waited about 1 us at most.) Past the last part: p MV_PARTS - 1 with bx beyond its
-// blocks, which matvec_many_part sends away at once.
+// working blocks waited about 1 us at most.)
 extern "C" __global__ void __launch_bounds__(256, 2) matvec_many_48_rows(MATVEC_MANY_ARGS, long long rs) {
     KSPAN;
-    int p = 0, bx = blockIdx.x;
-    while (p < MV_PARTS - 1 && bx >= MV_SEL(n) * MV_SEL(k)) {
-        bx -= MV_SEL(n) * MV_SEL(k);
-        p++;
-    }
+    MV_FLAT_PART;
     x = row_ptr(x, rs);
     if (op != MV_IN_ONE_PLUS) x2 = row_ptr(x2, rs);
     scratch = row_ptr(scratch, rs);
@@ -1460,13 +1464,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) matvec_many_48_rows(MATVEC_
 extern "C" __global__ void __launch_bounds__(256, 2)
     matvec_many_x2(MATVEC_MANY_ARGS, long long xstride, long long ystride, float* conv_mid) {
     KSPAN;
-    int p = 0, bx = blockIdx.x;
-    while (p < MV_PARTS - 1 && bx >= MV_SEL(n)) {
-        bx -= MV_SEL(n);
-        p++;
-    }
+    MV_FLAT_PART;  // (every part one slice: k_p 1)
     const int nb = MV_SEL(n);
-    // (A block past the last part's leaves at once.)
     if (bx >= nb) return;
     typedef MvFmt<4> F;
     const int rows = MV_SEL(r), L = MV_SEL(l), gs = MV_SEL(g);
@@ -1505,11 +1504,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
 // part) left the last parts' blocks waiting for slots until the first blocks had ended.
 extern "C" __global__ void __launch_bounds__(256, 2) matvec_many_ahead(MATVEC_MANY_ARGS) {
     KSPAN;
-    int p = 0, bx = blockIdx.x;
-    while (p < MV_PARTS - 1 && bx >= MV_SEL(n) * MV_SEL(k)) {
-        bx -= MV_SEL(n) * MV_SEL(k);
-        p++;
-    }
+    MV_FLAT_PART;
     if (MV_SEL(b) == 4) {
         MATVEC_MANY_PART(4, false, true);
     } else {
