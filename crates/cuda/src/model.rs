@@ -63,8 +63,11 @@ fn candidates_from(out: &[f32], k: usize, among: usize) -> Vec<(u32, f32)> {
 /// The `k` and `among` of a request for candidates, as the device takes them.
 fn candidate_counts(c: &TextConfig, k: usize, among: usize) -> (usize, usize) {
     let among = among.min(c.vocab_size);
-    (k.clamp(1, 1024).min(among), among)
+    (k.clamp(1, MAX_CANDIDATES).min(among), among)
 }
+
+/// The most sampling candidates a step chooses on the device (`top_candidates`' k).
+const MAX_CANDIDATES: usize = 1024;
 
 /// Precision tags of address-table entries.
 pub const TAG_Q3: u64 = 1 << 63;
@@ -325,6 +328,11 @@ pub(crate) struct Scratch {
     /// ([`ple_rows_at`]); and their host side.
     pub(crate) step_in: DevBuf,
     pub(crate) step_host: Pinned,
+    /// The sampling candidates again, in host memory mapped for the device: [`MAX_CANDIDATES`] ids
+    /// (i32), then as many values (f32), written by the candidates' last kernel so that
+    /// [`CudaModel::read_candidates`] needs no copy after the step (two synchronous copies to
+    /// pageable memory a row, before).
+    pub(crate) cand_host: Pinned,
 }
 
 /// How a GDN layer's recurrence runs ([`CudaModel::gdn_recurrence`]).
@@ -785,6 +793,7 @@ fn scratch_with(
         moe: MoeBufs::new(gpu, c, moe_layers, false, &mut *z)?,
         step_in: z(step_in_bytes(c), "the step inputs")?,
         step_host: gpu.pinned(step_in_bytes(c), "the step inputs")?,
+        cand_host: gpu.pinned(2 * MAX_CANDIDATES * 4, "the sampling candidates")?,
     })
 }
 
@@ -1932,17 +1941,32 @@ impl CudaModel {
         // than one block holds, one block in a pass per candidate.
         let chunks = v.div_ceil(CAND_CHUNK);
         let n = chunks * k;
+        if k > MAX_CANDIDATES {
+            bail!("{k} sampling candidates asked; a step chooses at most {MAX_CANDIDATES}");
+        }
+        // The last launch also writes them into the mapped host buffer.
+        let (hids, hvals) = (Arg::Ptr(sc.cand_host.dev), Arg::Ptr(sc.cand_host.dev + (MAX_CANDIDATES * 4) as u64));
         if radix && k <= v && k <= CAND_SEL && n <= CAND_KEYS {
             let (ids, vals) = (Arg::Ptr(sc.ids.ptr), Arg::Ptr(sc.weights.ptr));
+            let (hids_part, hvals_part) = if chunks > 1 { (Arg::Ptr(0), Arg::Ptr(0)) } else { (hids, hvals) };
             g.launch(
                 "top_candidates_part",
                 (chunks as u32, 1, 1),
                 1024,
                 0,
-                &[Arg::Ptr(sc.logits.ptr), Arg::I32(v as i32), Arg::I32(k as i32), Arg::Ptr(sc.cand.ptr), ids, vals],
+                &[
+                    Arg::Ptr(sc.logits.ptr),
+                    Arg::I32(v as i32),
+                    Arg::I32(k as i32),
+                    Arg::Ptr(sc.cand.ptr),
+                    ids,
+                    vals,
+                    hids_part,
+                    hvals_part,
+                ],
             )?;
             if chunks > 1 {
-                let args = [Arg::Ptr(sc.cand.ptr), Arg::I32(n as i32), Arg::I32(k as i32), ids, vals];
+                let args = [Arg::Ptr(sc.cand.ptr), Arg::I32(n as i32), Arg::I32(k as i32), ids, vals, hids, hvals];
                 g.launch("top_candidates_merge", (1, 1, 1), 1024, 0, &args)?;
             }
         } else {
@@ -1957,6 +1981,8 @@ impl CudaModel {
                     Arg::I32(k as i32),
                     Arg::Ptr(sc.ids.ptr),
                     Arg::Ptr(sc.weights.ptr),
+                    hids,
+                    hvals,
                 ],
             )?;
         }
@@ -1965,12 +1991,15 @@ impl CudaModel {
 
     /// The candidates [`CudaModel::queue_candidates`] chose, after the work queued before.
     fn read_candidates(&self, sc: &Scratch, k: usize) -> Result<Vec<(u32, f32)>> {
-        let g = &*self.gpu;
-        let mut ids = vec![0u32; k];
-        let mut vals = vec![0f32; k];
-        g.dtoh(sc.ids.ptr, &mut ids)?;
-        g.dtoh(sc.weights.ptr, &mut vals)?;
-        Ok(ids.into_iter().zip(vals).collect())
+        if k > MAX_CANDIDATES {
+            bail!("{k} sampling candidates asked; a step chooses at most {MAX_CANDIDATES}");
+        }
+        self.gpu.sync()?;
+        // SAFETY: the stream is idle: the kernel that wrote the mapped buffer has finished, and no
+        // other work of this scratch is queued (its owner holds it).
+        let words = unsafe { sc.cand_host.as_slice::<u32>() };
+        let (ids, vals) = words.split_at(MAX_CANDIDATES);
+        Ok(ids[..k].iter().zip(&vals[..k]).map(|(&i, &v)| (i, f32::from_bits(v))).collect())
     }
 
     /// Gathers the n-gram rows of the step's token for PLE layer `layer` (host side: the table

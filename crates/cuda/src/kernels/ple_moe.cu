@@ -715,7 +715,10 @@ __device__ __forceinline__ void moe_combine_body(MOE_COMBINE_ARGS) {
 // block; each round finds the largest remaining logit with a block reduction and masks it. The
 // two launches below do it faster where their keys fit one block's shared memory (CudaModel's
 // top_candidates); this one remains for larger k.
-extern "C" __global__ void top_candidates(float* logits, int V, int k, int* ids, float* vals) {
+//
+// `hids`, `hvals` (may be null; host memory mapped for the device): the same ids and values again,
+// so the host reads them once the stream is done instead of copying them back after it.
+extern "C" __global__ void top_candidates(float* logits, int V, int k, int* ids, float* vals, int* hids, float* hvals) {
     KSPAN;
     grid_enter();
     __shared__ float best_v[32];
@@ -747,6 +750,10 @@ extern "C" __global__ void top_candidates(float* logits, int V, int k, int* ids,
                 }
             ids[r] = id;
             vals[r] = v;
+            if (hids) {
+                hids[r] = id;
+                hvals[r] = v;
+            }
             if (id >= 0 && id < V) logits[id] = NEG_INF;
         }
         __syncthreads();
@@ -860,20 +867,27 @@ __device__ void block_top_keys(const u64 (&key)[E], int k, u64* out, u32* hist, 
     __syncthreads();
 }
 
-__device__ __forceinline__ void cand_write(const u64* keys, int k, int* ids, float* vals) {
+// (hids, hvals: a second copy in mapped host memory where not null, as top_candidates'.)
+__device__ __forceinline__ void cand_write(const u64* keys, int k, int* ids, float* vals, int* hids, float* hvals) {
     for (int r = threadIdx.x; r < k; r += blockDim.x) {
-        ids[r] = (int)~(u32)keys[r];
-        vals[r] = cand_value(keys[r]);
+        const int id = (int)~(u32)keys[r];
+        const float v = cand_value(keys[r]);
+        ids[r] = id;
+        vals[r] = v;
+        if (hids) {
+            hids[r] = id;
+            hvals[r] = v;
+        }
     }
 }
 
 // Block b takes the logits [b * CAND_CHUNK, (b + 1) * CAND_CHUNK) below V (1024 threads, 4 each) and
 // writes its kk = min(k, CAND_SEL) largest keys into part[b * kk ..] (0 where the chunk has fewer):
 // every one of the k largest logits is among its chunk's. With one block, its k are the answer, as
-// ids and values.
+// ids and values (and into hids, hvals where not null: cand_write).
 #define CAND_CHUNK 4096
 extern "C" __global__ void __launch_bounds__(1024)
-    top_candidates_part(const float* logits, int V, int kk, u64* part, int* ids, float* vals) {
+    top_candidates_part(const float* logits, int V, int kk, u64* part, int* ids, float* vals, int* hids, float* hvals) {
     KSPAN;
     grid_enter();
     __shared__ u64 best[CAND_SEL];
@@ -888,7 +902,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     const int kb = min(kk, V - base);
     block_top_keys(key, kb, best, hist, sel);
     if (gridDim.x == 1) {
-        cand_write(best, kb, ids, vals);
+        cand_write(best, kb, ids, vals, hids, hvals);
         return;
     }
     for (int r = threadIdx.x; r < kk; r += blockDim.x) part[(size_t)blockIdx.x * kk + r] = r < kb ? best[r] : 0ull;
@@ -896,7 +910,8 @@ extern "C" __global__ void __launch_bounds__(1024)
 
 // One block of 1024 threads: the k largest of the n <= CAND_KEYS keys in part, as ids and values.
 #define CAND_KEYS 16384
-extern "C" __global__ void __launch_bounds__(1024) top_candidates_merge(const u64* part, int n, int k, int* ids, float* vals) {
+extern "C" __global__ void __launch_bounds__(1024)
+    top_candidates_merge(const u64* part, int n, int k, int* ids, float* vals, int* hids, float* hvals) {
     KSPAN;
     grid_enter();
     __shared__ u64 best[CAND_SEL];
@@ -908,5 +923,5 @@ extern "C" __global__ void __launch_bounds__(1024) top_candidates_merge(const u6
         key[e] = i < n ? part[i] : 0ull;
     }
     block_top_keys(key, k, best, hist, sel);
-    cand_write(best, k, ids, vals);
+    cand_write(best, k, ids, vals, hids, hvals);
 }
