@@ -147,6 +147,7 @@ fn every_measurement_variant_compiles() {
 /// (session 31: a second instantiation of the tiled core made `expert_down_q4` spill 76 bytes).
 /// `CHERENKOV_PTXAS` names the ptxas binary (tools/test takes the one of the pinned
 /// nvidia-cuda-nvcc wheel and sets `CHERENKOV_REQUIRE_PTXAS=1`, so there a missing one fails).
+/// `CHERENKOV_PTXAS_REPORT=FILE` also writes ptxas's report there.
 #[test]
 fn no_kernel_spills_registers_on_hopper() {
     let ptxas = std::env::var_os("CHERENKOV_PTXAS").map(std::path::PathBuf::from).filter(|p| p.is_file());
@@ -167,6 +168,11 @@ fn no_kernel_spills_registers_on_hopper() {
         .output()
         .unwrap_or_else(|e| panic!("cannot run {}: {e}", ptxas.display()));
     let report = String::from_utf8_lossy(&run.stderr);
+    // `CHERENKOV_PTXAS_REPORT=FILE` keeps the whole report (every kernel's registers and shared
+    // memory), for reading a kernel's resources without a GPU.
+    if let Some(path) = std::env::var_os("CHERENKOV_PTXAS_REPORT") {
+        std::fs::write(&path, report.as_bytes()).unwrap_or_else(|e| panic!("cannot write the ptxas report: {e}"));
+    }
     assert!(run.status.success(), "ptxas failed:\n{report}");
     let spills = spilling_kernels(&report);
     let kernels = report.matches("Compiling entry function").count();
