@@ -187,6 +187,9 @@ struct Case {
     warm_steps: usize,
     /// The drafting case's passes and where their host time went.
     draft_split: DraftSplit,
+    /// Plain decoding from one graph a step (every expert resident): the replays' timing, where
+    /// every timed token's step was one.
+    replay: Option<cherenkov_cuda::model::ReplayTiming>,
 }
 
 /// Host time of the drafting case's calls, summed over its passes (s): the draft, the verifying
@@ -310,6 +313,38 @@ fn today() -> String {
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_default()
+}
+
+/// The host's turn between steps where each step is replayed from one graph: a token's time
+/// against the device's span of its step, as a markdown paragraph (empty when no case has one).
+fn host_turn_note(cases: &[Case]) -> String {
+    let timed: Vec<String> = cases
+        .iter()
+        .filter_map(|k| {
+            let r = k.replay?;
+            let ms = |ns: u64| ns as f64 / 1e6 / r.steps as f64;
+            let (token, gpu) = (1e3 / k.tok_s, ms(r.gpu_ns));
+            Some(format!(
+                "{} ({} layers): {token:.3} ms a token, {gpu:.3} ms of it the step's graph on the device, {:.3} ms ({:.1}%) the host's turn with the device idle, of which the host's clock gives {:.3} ms to the step's inputs before the replay, {:.3} to the replay call and {:.3} to the routing's accounting",
+                k.name,
+                k.depth,
+                token - gpu,
+                100.0 * (token - gpu) / token,
+                ms(r.inputs_ns),
+                ms(r.launch_ns),
+                ms(r.account_ns)
+            ))
+        })
+        .collect();
+    if timed.is_empty() {
+        return String::new();
+    }
+    format!(
+        "
+The host's turn between resident steps (each step replayed from one graph; the device's span from an event recorded before the replay to one after it, the graph's launch included; the turn reads the candidates, samples, writes the next step's inputs, n-gram rows and synthetic-router biases, and accounts the routing): {}.
+",
+        timed.join("; ")
+    )
 }
 
 /// The MoE blocks' anatomy of the cases whose steps were timed block by block (not replayed from a
@@ -668,6 +703,8 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         model.lookahead = lookahead;
         model.depth = depth;
         model.anatomy = anatomy;
+        // Two events around each resident step's replay: what the device spends of a token.
+        model.replay_timing = draft.is_none();
         if let Some(threads) = cpu {
             model.set_cpu_experts(threads, &|_| {})?;
         }
@@ -750,6 +787,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             warm_steps: warm_trace.len(),
             trace: warm_trace.into_iter().chain(pool.take_trace()).collect(),
             draft_split: split,
+            replay: (tm.replay.steps > 0 && tm.replay.steps == produced as u64).then_some(tm.replay),
         })
     };
     let all = store.manifest.experts.records() as usize;
@@ -875,6 +913,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
                 md.push_str(&drafting_at_48(&k, half, plain_48, roofline_full).1);
             }
         }
+        md.push_str(&host_turn_note(&cases));
         md.push_str(&anatomy_table(&cases));
         md.push_str(&flagged_turn_table(&cases));
         std::fs::create_dir_all(&args.out)?;
@@ -1141,6 +1180,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             r.0 as f64 / 1e6
         ));
     }
+    md.push_str(&host_turn_note(&cases));
     md.push_str(&anatomy_table(&cases));
     md.push_str(&flagged_turn_table(&cases));
     // The peer's rates, its 48-layer extrapolation, and Cherenkov's resident rate against it.
@@ -1393,5 +1433,26 @@ mod tests {
         assert_eq!(rows, vec!["| flagged | 4 | 0.002 | 0.010 | 0.012 | 0.020 | 0.025 | 0.030 |"]);
         assert!(!md.contains("| segments |"), "a case without flagged steps has no rows:\n{md}");
         assert_eq!(flagged_turn_table(&[Case::default()]), "");
+    }
+
+    #[test]
+    fn the_host_turn_is_a_tokens_time_beyond_its_graph() {
+        let replay = cherenkov_cuda::model::ReplayTiming {
+            steps: 2,
+            gpu_ns: 7_000_000,
+            inputs_ns: 100_000,
+            launch_ns: 40_000,
+            account_ns: 20_000,
+        };
+        let timed =
+            Case { name: "resident".into(), depth: 32, tok_s: 250.0, replay: Some(replay), ..Default::default() };
+        let untimed = Case { name: "no graphs".into(), tok_s: 100.0, ..Default::default() };
+        let md = host_turn_note(&[timed, untimed]);
+        assert!(
+            md.contains("resident (32 layers): 4.000 ms a token, 3.500 ms of it the step's graph on the device, 0.500 ms (12.5%) the host's turn with the device idle, of which the host's clock gives 0.050 ms to the step's inputs before the replay, 0.020 to the replay call and 0.010 to the routing's accounting"),
+            "{md}"
+        );
+        assert!(!md.contains("no graphs"), "a case without replayed steps is left out:\n{md}");
+        assert_eq!(host_turn_note(&[Case::default()]), "");
     }
 }

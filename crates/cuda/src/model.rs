@@ -150,6 +150,23 @@ pub struct StepTiming {
     pub anatomy: BlockAnatomy,
     /// The host's turns in flagged steps ([`CudaModel::step_flagged`]).
     pub flagged: FlaggedTurns,
+    /// Steps replayed whole from one graph, timed ([`CudaModel::replay_timing`]).
+    pub replay: ReplayTiming,
+}
+
+/// Steps replayed whole from one CUDA graph (every expert resident), summed over the steps timed
+/// with [`CudaModel::replay_timing`], ns: the device's span of a step, from an event recorded just
+/// before the replay to one recorded just after it (the graph's launch included; what a token
+/// takes beyond it is the host's turn between steps, the device idle), and parts of that turn on
+/// the host's clock: from the step's start to its replay (the step's inputs, n-gram rows and
+/// synthetic-router biases), the replay call, and after the step's end the routing's accounting.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ReplayTiming {
+    pub steps: u64,
+    pub gpu_ns: u64,
+    pub inputs_ns: u64,
+    pub launch_ns: u64,
+    pub account_ns: u64,
 }
 
 /// The host's turns of the blocks of flagged steps ([`CudaModel::turn_flagged`]), summed over
@@ -216,6 +233,16 @@ fn flag_row_line(model: usize, step: u64, r: &FlagRow, s: [u64; 4], origin: u64)
     cols.extend(r.marks.iter().map(|&m| us(m)));
     cols.extend([gpu(s[0]), gpu(s[3]), gpu(s[2]), gpu(s[1])]);
     cols.join("\t")
+}
+
+impl ReplayTiming {
+    fn add(&mut self, o: &ReplayTiming) {
+        self.steps += o.steps;
+        self.gpu_ns += o.gpu_ns;
+        self.inputs_ns += o.inputs_ns;
+        self.launch_ns += o.launch_ns;
+        self.account_ns += o.account_ns;
+    }
 }
 
 impl FlaggedTurns {
@@ -528,6 +555,9 @@ pub(crate) struct MoeStep<'p> {
     /// Being captured into a graph, or replayed from one: no timing events (a captured event
     /// record cannot be read as a clock).
     untimed: bool,
+    /// Replayed from one graph between the model's two `replay_events`: the host's time from the
+    /// step's start to the replay, and of the replay call (ns).
+    replay_timed: Option<[u64; 2]>,
     /// Streamed MoE layers whose synthetic-router noise for the next token is still to be drawn
     /// (the benchmark's): drawn while the host waits for the next block's router, not between a
     /// block's combination and the next layer's kernels.
@@ -561,6 +591,7 @@ impl MoeStep<'_> {
             start: std::time::Instant::now(),
             queued_ns: None,
             untimed: false,
+            replay_timed: None,
             cut: 0,
             cpu_experts: 0,
             cpu_wait_ns: 0,
@@ -703,6 +734,11 @@ pub struct CudaModel {
     /// Read every timed MoE block's events after its step into [`StepTiming::anatomy`] (the
     /// bench): about ten event-time reads per block on the host between steps.
     pub anatomy: bool,
+    /// Time each step replayed from a graph with two events around its replay
+    /// ([`StepTiming::replay_gpu_ns`]; the bench): two event records and one read a step.
+    pub replay_timing: bool,
+    /// The two events of `replay_timing`.
+    replay_events: [Event; 2],
     /// Captured steps and what each was captured for (the most recently used last).
     graph: Mutex<Vec<(GraphKey, Graph)>>,
     /// The MTP head's steps replayed from graphs (every expert resident, below the QSA budget).
@@ -1041,6 +1077,7 @@ impl CudaModel {
         let scratch = new_scratch(&gpu, &c, store.manifest.experts.layers.len())?;
         gpu.sync()?;
         let predicted = Mutex::new(vec![None; store.manifest.experts.layers.len()]);
+        let replay_events = [gpu.event(true)?, gpu.event(true)?];
         Ok(CudaModel {
             store,
             gpu,
@@ -1094,6 +1131,8 @@ impl CudaModel {
             events_beside: std::env::var_os("CHERENKOV_EVENTS_IN_LINE").is_none(),
             depth: c.num_hidden_layers,
             anatomy: false,
+            replay_timing: false,
+            replay_events,
             graph: Mutex::new(Vec::new()),
             mtp_graphs: Mutex::new(Vec::new()),
             verify_rows: std::sync::atomic::AtomicBool::new(
@@ -1656,7 +1695,16 @@ impl CudaModel {
             throwaway.untimed = true;
             self.gpu.capture(|| self.queue_step(s, sc, want, &mut throwaway))
         })?;
-        self.gpu.replay(graph)?;
+        if self.replay_timing {
+            let inputs_ns = st.start.elapsed().as_nanos() as u64;
+            let t = Instant::now();
+            self.gpu.record(&self.replay_events[0])?;
+            self.gpu.replay(graph)?;
+            self.gpu.record(&self.replay_events[1])?;
+            st.replay_timed = Some([inputs_ns, t.elapsed().as_nanos() as u64]);
+        } else {
+            self.gpu.replay(graph)?;
+        }
         // The replay routes every MoE layer (on the device, from the resident map).
         st.untimed = true;
         st.routed.extend(self.weights.layers.iter().take(self.depth).map(|l| l.moe.expert_slot));
@@ -1697,6 +1745,7 @@ impl CudaModel {
     pub(crate) fn finish_step(&self, sc: &Scratch, st: MoeStep<'_>) -> Result<()> {
         let queue_ns = st.queued_ns.unwrap_or_else(|| st.start.elapsed().as_nanos() as u64);
         self.gpu.sync()?;
+        let synced = Instant::now();
         drop(st.pending);
         let c = self.config();
         let (k, e) = (c.num_experts_per_tok, c.num_experts);
@@ -1774,7 +1823,19 @@ impl CudaModel {
                 ..self.block_anatomy(mb, &st.blocks, &st.read_timed)?
             }
         };
+        let replay = match st.replay_timed {
+            Some([inputs_ns, launch_ns]) => ReplayTiming {
+                steps: 1,
+                // Both recorded before the stream sync above.
+                gpu_ns: (self.replay_events[1].since(&self.replay_events[0])? as f64 * 1e6) as u64,
+                inputs_ns,
+                launch_ns,
+                account_ns: synced.elapsed().as_nanos() as u64,
+            },
+            None => ReplayTiming::default(),
+        };
         self.add_timing(|t| {
+            t.replay.add(&replay);
             t.anatomy.add(&anatomy);
             t.flagged.add(&st.flagged);
             t.wait_ns += st.wait_ns + gpu_wait_ns;
