@@ -340,9 +340,7 @@ fn host_turn_note(cases: &[Case]) -> String {
         return String::new();
     }
     format!(
-        "
-The host's turn between resident steps (each step replayed from one graph; the device's span from an event recorded before the replay to one after it, the graph's launch included; the turn reads the candidates, samples, writes the next step's inputs, n-gram rows and synthetic-router biases, and accounts the routing): {}.
-",
+        "\nThe host's turn between resident steps (each step replayed from one graph; the device's span from an event recorded before the replay to one after it, the graph's launch included; the turn reads the candidates, samples, writes the next step's inputs, n-gram rows and synthetic-router biases, and accounts the routing): {}.\n",
         timed.join("; ")
     )
 }

@@ -735,7 +735,7 @@ pub struct CudaModel {
     /// bench): about ten event-time reads per block on the host between steps.
     pub anatomy: bool,
     /// Time each step replayed from a graph with two events around its replay
-    /// ([`StepTiming::replay_gpu_ns`]; the bench): two event records and one read a step.
+    /// ([`StepTiming::replay`]; the bench): two event records and one read a step.
     pub replay_timing: bool,
     /// The two events of `replay_timing`.
     replay_events: [Event; 2],
