@@ -3479,11 +3479,16 @@ impl CudaModel {
     fn write_bias_at(&self, sc: &Scratch, l: usize, which: usize, ahead: u64) -> Result<()> {
         let Some(sk) = &self.skew else { return Ok(()) };
         let e = self.config().num_experts;
-        let b = if which == 0 { sk.bias_at(l, e, ahead) } else { sk.predict_bias(l, e) };
         let at = (l * 2 + which) * e;
-        // SAFETY: each (layer, which) row is written once per step, and the previous step's upload
-        // of it finished before this step began (steps end with a stream sync).
-        unsafe { sc.moe.bias_host.as_mut_slice::<f32>()[at..at + e].copy_from_slice(&b) };
+        // SAFETY: each (layer, which) row is written once per step, and the kernels that read the
+        // previous step's row finished before this step began (steps end with a stream sync).
+        let row = unsafe { &mut sc.moe.bias_host.as_mut_slice::<f32>()[at..at + e] };
+        if which == 0 {
+            // In place: this runs for every layer on the host's turn between two steps.
+            sk.bias_into(l, e, ahead, row);
+        } else {
+            row.copy_from_slice(&sk.predict_bias(l, e));
+        }
         Ok(())
     }
 

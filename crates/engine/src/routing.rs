@@ -295,27 +295,41 @@ impl SkewedRouting {
     /// pass routes its second row before the first row's experts are known to the host, so that
     /// row's reuse bonus is the first row's (the benchmark's synthetic routers only).
     pub fn bias_at(&self, layer: usize, num_experts: usize, ahead: u64) -> Vec<f32> {
+        let mut b = vec![0f32; num_experts];
+        self.bias_into(layer, num_experts, ahead, &mut b);
+        b
+    }
+
+    /// [`SkewedRouting::bias_at`] written into `out` (`num_experts` values, the same ones): under
+    /// one lock, with no allocation where the noise was drawn ahead. A CUDA step writes every
+    /// layer's row this way into the host memory its routers read, on the host's turn between two
+    /// steps.
+    pub fn bias_into(&self, layer: usize, num_experts: usize, ahead: u64, out: &mut [f32]) {
         // The noise drawn ahead for this token, if it was (and only that: a draw for a later token
         // stays for it). Its estimate stays too: a CUDA step takes every layer's bias before the
         // lookahead predicts any layer, and drawing the estimate again cost 19.2 us of host time
         // per streamed block on the build machine (0.4 with it kept).
+        let reuse = self.skew.reuse as f32;
         let (token, ready) = self.with_layer(layer, num_experts, |l| {
+            // Popularity and the previous token's reuse bonus, as `known_bias`.
+            out.copy_from_slice(&l.popularity);
+            for &e in &l.previous {
+                out[e] += reuse;
+            }
             let token = l.tokens + ahead;
             let mine = l.drawn.iter_mut().find(|d| d.token == token);
             (token, mine.map(|d| std::mem::take(&mut d.noise)))
         });
-        let mut b = self.known_bias(layer, num_experts);
         if self.skew.noise > 0.0 {
             let sigma = self.skew.noise as f32;
             let noise = match ready {
                 Some(n) if n.len() == num_experts => n,
                 _ => self.noise(layer, token, num_experts),
             };
-            for (b, n) in b.iter_mut().zip(noise) {
+            for (b, n) in out.iter_mut().zip(noise) {
                 *b += sigma * n;
             }
         }
-        b
     }
 
     /// Computes the noise of the next token to be routed at `layer` (after the one being routed
@@ -696,6 +710,32 @@ mod tests {
         assert_eq!(now, b.bias(2, e));
         b.observe(2, &[3, 4], e);
         assert_eq!(ahead, b.bias(2, e), "the bias one token ahead is that token's bias");
+    }
+
+    /// The bias written in place is popularity, the previous token's reuse bonus and that token's
+    /// noise times sigma, as the three parts give it apart, whether the noise was drawn ahead or
+    /// not; the row it overwrites does not matter.
+    #[test]
+    fn the_bias_in_place_is_its_three_parts() {
+        let e = 512;
+        let (a, b) = (SkewedRouting::new(Skew::default()), SkewedRouting::new(Skew::default()));
+        for r in [&a, &b] {
+            r.observe(4, &[7, 300, 511], e);
+            r.observe(4, &[1, 2, 3], e);
+        }
+        a.prepare_noise(4, e, false);
+        let mut expected = a.known_bias(4, e);
+        let sigma = a.skew.noise as f32;
+        for (x, n) in expected.iter_mut().zip(a.noise(4, 2, e)) {
+            *x += sigma * n;
+        }
+        let mut ahead = vec![f32::NAN; e];
+        a.bias_into(4, e, 0, &mut ahead);
+        let mut on_demand = vec![-1.0; e];
+        b.bias_into(4, e, 0, &mut on_demand);
+        assert_eq!(ahead, expected, "noise drawn ahead");
+        assert_eq!(on_demand, expected, "noise drawn on demand");
+        assert_eq!(a.bias(4, e), expected, "the allocating form");
     }
 
     /// A CUDA step takes every layer's bias first, then predicts the layers one by one: the
