@@ -16,7 +16,7 @@
 
 use std::io::Write;
 use std::os::fd::AsRawFd;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
@@ -120,6 +120,13 @@ pub struct BenchArgs {
     /// extrapolates the two depths per layer to 48 layers as it does plain decoding.
     #[arg(long, value_name = "P", value_parser = acceptance)]
     pub draft_accept: Option<f64>,
+    /// Where the disk lacks room for this depth's synthetic store, delete the benchmark's other
+    /// synthetic stores (beside it in $CHERENKOV_HOME/bench, one per depth, experts and n-gram
+    /// base; each is rewritten when a bench asks for it again), the oldest first, until the new one
+    /// fits; each deletion is printed. Nothing is deleted where even all of them would not make
+    /// room. Without it the bench stops and names them.
+    #[arg(long)]
+    pub make_room: bool,
 }
 
 fn acceptance(s: &str) -> std::result::Result<f64, String> {
@@ -537,40 +544,83 @@ fn tok_s_at_depth(target: usize, per_token_ms: f64, ms: f64, depth: usize) -> f6
 /// Checks that the file system of the benchmark's store `dir` has room for `bytes` more, before
 /// the store is written; where it has not, the error names the benchmark's other stores beside
 /// `dir` (one per depth, experts and n-gram base) and their sizes, since they are what a series
-/// of benchmarks at several depths fills a disk with.
-fn check_room(dir: &std::path::Path, bytes: u64) -> Result<()> {
+/// of benchmarks at several depths fills a disk with. With `make_room` it deletes them instead,
+/// the oldest first, until the store fits (see `--make-room`).
+fn check_room(dir: &Path, bytes: u64, make_room: bool) -> Result<()> {
+    check_room_with(dir, bytes, make_room, cherenkov_hub::disk::space)
+}
+
+fn check_room_with(
+    dir: &Path,
+    bytes: u64,
+    make_room: bool,
+    space_of: impl Fn(&Path) -> Result<cherenkov_hub::disk::Space>,
+) -> Result<()> {
     let parent = dir.parent().context("the benchmark's store has no parent directory")?;
     std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
-    let others = other_stores(parent, dir);
+    let need = crate::space::Need { what: "for the benchmark's synthetic store", dir: parent.to_path_buf(), bytes };
+    let check = |hint: &str| crate::space::check_with(std::slice::from_ref(&need), &space_of, hint).map(|_| ());
+    let mut others = other_stores(parent, dir);
+    if make_room && check("").is_err() {
+        let free = space_of(parent)?.free;
+        let theirs: u64 = others.iter().map(|o| o.bytes).sum();
+        if free.saturating_add(theirs) >= bytes {
+            others.sort_by_key(|o| o.modified);
+            while check("").is_err() {
+                if others.is_empty() {
+                    break;
+                }
+                let o = others.remove(0);
+                let path = parent.join(&o.name);
+                std::fs::remove_dir_all(&path).with_context(|| format!("cannot delete {}", path.display()))?;
+                eprintln!(
+                    "--make-room: deleted the benchmark's store {} ({})",
+                    path.display(),
+                    indicatif::HumanBytes(o.bytes)
+                );
+            }
+            others.sort_by(|a, b| a.name.cmp(&b.name));
+        }
+    }
     let hint = if others.is_empty() {
         "Free some space, or point CHERENKOV_HOME at a larger disk".to_string()
     } else {
         let list: Vec<String> =
-            others.iter().map(|(name, b)| format!("{name} ({})", indicatif::HumanBytes(*b))).collect();
-        format!(
-            "The benchmark's other stores in {}: {}; delete those not needed, or point CHERENKOV_HOME at a larger disk",
-            parent.display(),
-            list.join(", ")
-        )
+            others.iter().map(|o| format!("{} ({})", o.name, indicatif::HumanBytes(o.bytes))).collect();
+        let how = if make_room {
+            "deleting all of them would not make room either; point CHERENKOV_HOME at a larger disk"
+        } else {
+            "delete those not needed (--make-room deletes them, the oldest first), or point CHERENKOV_HOME at a larger disk"
+        };
+        format!("The benchmark's other stores in {}: {}; {how}", parent.display(), list.join(", "))
     };
-    let need = crate::space::Need { what: "for the benchmark's synthetic store", dir: parent.to_path_buf(), bytes };
-    crate::space::check_hinted(&[need], &hint).map(|_| ())
+    check(&hint)
 }
 
-/// The benchmark's stores in `parent` other than `dir`, by name, with the bytes of their files.
-fn other_stores(parent: &std::path::Path, dir: &std::path::Path) -> Vec<(String, u64)> {
+/// One of the benchmark's stores beside the one a run asks for.
+struct OtherStore {
+    name: String,
+    /// The bytes of its files.
+    bytes: u64,
+    /// When its directory last changed (written whole when synthesized).
+    modified: std::time::SystemTime,
+}
+
+/// The benchmark's stores in `parent` other than `dir`, by name.
+fn other_stores(parent: &Path, dir: &Path) -> Vec<OtherStore> {
     let Ok(entries) = std::fs::read_dir(parent) else { return Vec::new() };
-    let mut out: Vec<(String, u64)> = entries
+    let mut out: Vec<OtherStore> = entries
         .filter_map(|e| e.ok())
         .filter(|e| e.path() != dir && e.path().is_dir())
         .map(|e| {
             let bytes = std::fs::read_dir(e.path())
                 .map(|fs| fs.filter_map(|f| f.ok()?.metadata().ok()).map(|m| m.len()).sum())
                 .unwrap_or(0);
-            (e.file_name().to_string_lossy().into_owned(), bytes)
+            let modified = e.metadata().and_then(|m| m.modified()).unwrap_or(std::time::UNIX_EPOCH);
+            OtherStore { name: e.file_name().to_string_lossy().into_owned(), bytes, modified }
         })
         .collect();
-    out.sort();
+    out.sort_by(|a, b| a.name.cmp(&b.name));
     out
 }
 
@@ -601,7 +651,7 @@ pub fn run(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         let tmp = dir.with_extension("tmp");
         let _ = std::fs::remove_dir_all(&tmp);
         let opts = SynthOptions { seed: 1, ..SynthOptions::default() };
-        check_room(&dir, store_bytes(&shape, &opts)?)?;
+        check_room(&dir, store_bytes(&shape, &opts)?, args.make_room)?;
         eprintln!(
             "writing a synthetic store of the released shape ({} layers, {} experts) to {}",
             args.layers,
@@ -1304,14 +1354,68 @@ mod tests {
         std::fs::create_dir_all(&other).unwrap();
         std::fs::write(other.join("experts.bin"), vec![0u8; 3000]).unwrap();
         let dir = bench.join("flash-32L-512E-100003");
-        check_room(&dir, 1 << 20).unwrap();
-        let e = check_room(&dir, u64::MAX / 4).unwrap_err().to_string();
+        check_room(&dir, 1 << 20, false).unwrap();
+        let e = check_room(&dir, u64::MAX / 4, false).unwrap_err().to_string();
         assert!(e.contains("not enough free disk space") && e.contains("for the benchmark's synthetic store"), "{e}");
         assert!(e.contains("other stores in") && e.contains("flash-2L-512E-100003 (2.93 KiB)"), "{e}");
+        assert!(e.contains("--make-room deletes them"), "{e}");
+        // Where deleting every other store would not make room either, --make-room deletes none.
+        let e = check_room(&dir, u64::MAX / 4, true).unwrap_err().to_string();
+        assert!(e.contains("flash-2L-512E-100003 (2.93 KiB)") && e.contains("would not make room either"), "{e}");
+        assert!(other.join("experts.bin").exists());
         // Without other stores, the hint is the general one.
         std::fs::remove_dir_all(&other).unwrap();
-        let e = check_room(&dir, u64::MAX / 4).unwrap_err().to_string();
+        let e = check_room(&dir, u64::MAX / 4, false).unwrap_err().to_string();
         assert!(e.contains("point CHERENKOV_HOME at a larger disk") && !e.contains("other stores"), "{e}");
+    }
+
+    /// A disk of 10000 bytes whose only contents are the files under `root`.
+    fn small_disk(root: &Path) -> impl Fn(&Path) -> Result<cherenkov_hub::disk::Space> + '_ {
+        fn used(p: &Path) -> u64 {
+            std::fs::read_dir(p)
+                .map(|es| {
+                    es.filter_map(|e| e.ok())
+                        .map(|e| if e.path().is_dir() { used(&e.path()) } else { e.metadata().map_or(0, |m| m.len()) })
+                        .sum()
+                })
+                .unwrap_or(0)
+        }
+        move |_| Ok(cherenkov_hub::disk::Space { free: 10_000 - used(root), total: 10_000, device: 1 })
+    }
+
+    #[test]
+    fn make_room_deletes_the_oldest_other_stores_until_the_new_one_fits() {
+        let home = tempfile::tempdir().unwrap();
+        let bench = home.path().join("bench");
+        let store = |name: &str, bytes: usize| {
+            let d = bench.join(name);
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("experts.bin"), vec![0u8; bytes]).unwrap();
+            // The directories' times order them: each written a little after the last.
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            d
+        };
+        let (old, mid, new) = (
+            store("flash-8L-512E-100003", 3000),
+            store("flash-16L-512E-100003", 2500),
+            store("flash-2L-512E-100003", 2000),
+        );
+        let dir = bench.join("flash-32L-512E-100003");
+        let disk = small_disk(home.path());
+        // 2500 bytes free; 4000 asked: without the flag nothing is touched.
+        let e = check_room_with(&dir, 4000, false, &disk).unwrap_err().to_string();
+        assert!(e.contains("2.44 KiB free, 1.46 KiB short") && e.contains("--make-room deletes them"), "{e}");
+        assert!(old.exists() && mid.exists() && new.exists());
+        // With it, the oldest goes first, and only as many as the new store needs.
+        check_room_with(&dir, 4000, true, &disk).unwrap();
+        assert!(!old.exists() && mid.exists() && new.exists());
+        // 5000 more: the next oldest, then the newest.
+        check_room_with(&dir, 9000, true, &disk).unwrap();
+        assert!(!mid.exists() && !new.exists());
+        // A store that fits is no reason to delete anything.
+        let kept = store("flash-4L-512E-100003", 1000);
+        check_room_with(&dir, 8000, true, &disk).unwrap();
+        assert!(kept.exists());
     }
 
     #[test]

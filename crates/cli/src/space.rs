@@ -33,12 +33,8 @@ pub fn check(needs: &[Need]) -> Result<String> {
     check_with(needs, space, HINT)
 }
 
-/// [`check`], with `hint` after the figures where it fails.
-pub fn check_hinted(needs: &[Need], hint: &str) -> Result<String> {
-    check_with(needs, space, hint)
-}
-
-fn check_with(needs: &[Need], space_of: impl Fn(&std::path::Path) -> Result<Space>, hint: &str) -> Result<String> {
+/// [`check_hinted`] with the file systems' space from `space_of` (tests give their own).
+pub fn check_with(needs: &[Need], space_of: impl Fn(&std::path::Path) -> Result<Space>, hint: &str) -> Result<String> {
     let total: u64 = needs.iter().map(|n| n.bytes).sum();
     let parts: Vec<String> =
         needs.iter().map(|n| format!("{} {} in {}", HumanBytes(n.bytes), n.what, n.dir.display())).collect();
