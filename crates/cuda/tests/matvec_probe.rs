@@ -107,8 +107,14 @@ fn matvec_probe() {
     };
 
     // One matrix through matvec_q4 (the GDN and attention out_proj: 2560 x 6144; the shared
-    // expert's down projection: 2560 x 640).
-    for (name, rows, cols) in [("out_proj 2560x6144", 2560usize, 6144usize), ("shared down 2560x640", 2560, 640)] {
+    // expert's down projection: 2560 x 640). The out_proj with 1280 rows more is what the idea of
+    // computing the next read's down projection by linearity in its launch would read (the next
+    // read's four streams' 320 rows times W_o, precomputed: notes-cuda.md, "Session 65").
+    for (name, rows, cols) in [
+        ("out_proj 2560x6144", 2560usize, 6144usize),
+        ("out_proj and the next read's rows 3840x6144", 3840, 6144),
+        ("shared down 2560x640", 2560, 640),
+    ] {
         let m = Mat::new(&gpu, rows, cols);
         println!("\n## {name}: {} copies of {:.2} MB", m.copies.len(), m.bytes() as f64 / 1e6);
         report("read only (the ceiling)", m.bytes(), ceiling(&m));
