@@ -109,10 +109,12 @@ fn matvec_probe() {
     // One matrix through matvec_q4 (the GDN and attention out_proj: 2560 x 6144; the shared
     // expert's down projection: 2560 x 640). The out_proj with 1280 rows more is what the idea of
     // computing the next read's down projection by linearity in its launch would read (the next
-    // read's four streams' 320 rows times W_o, precomputed: notes-cuda.md, "Session 65").
+    // read's four streams' 320 rows times W_o, precomputed at 4 bits: notes-cuda.md, "Session
+    // 65"); with 2560 more, the bytes of those rows at 8 bits.
     for (name, rows, cols) in [
         ("out_proj 2560x6144", 2560usize, 6144usize),
-        ("out_proj and the next read's rows 3840x6144", 3840, 6144),
+        ("out_proj and the next read's rows at 4 bits 3840x6144", 3840, 6144),
+        ("out_proj and the next read's rows' bytes at 8 bits 5120x6144", 5120, 6144),
         ("shared down 2560x640", 2560, 640),
     ] {
         let m = Mat::new(&gpu, rows, cols);
