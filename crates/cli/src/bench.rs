@@ -566,10 +566,7 @@ fn check_room_with(
         let theirs: u64 = others.iter().map(|o| o.bytes).sum();
         if free.saturating_add(theirs) >= bytes {
             others.sort_by_key(|o| o.modified);
-            while check("").is_err() {
-                if others.is_empty() {
-                    break;
-                }
+            while !others.is_empty() && check("").is_err() {
                 let o = others.remove(0);
                 let path = parent.join(&o.name);
                 std::fs::remove_dir_all(&path).with_context(|| format!("cannot delete {}", path.display()))?;
